@@ -1,0 +1,124 @@
+"""Backend selection: "auto" | "cuda" | "triton" | "torch".
+
+The choice comes from, in order: the call's `backend=` argument (or a module's), the
+AMPKERNELS_BACKEND environment variable, then "auto". An explicitly requested backend that
+cannot run the call is an error that says why; "auto" and the environment variable skip an
+unavailable backend with one log line (once per reason) and take the next one.
+"""
+import functools
+import logging
+import os
+
+import torch
+
+from . import _extension
+
+log = logging.getLogger("ampkernels")
+BACKENDS = ("cuda", "triton", "torch")
+CHOICES = ("auto",) + BACKENDS
+_logged = set()
+
+
+def triton_interpret():
+    """TRITON_INTERPRET=1: Triton kernels run on CPU tensors (tests; see MACHINES.md)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(None)
+def _triton_status():
+    try:
+        import triton  # noqa: F401
+    except Exception as e:
+        return False, f"triton not importable: {e}"
+    if triton_interpret():
+        return True, f"triton {triton.__version__} (TRITON_INTERPRET=1: kernels run on CPU tensors)"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return False, f"compute capability {major}.{minor} < 8.0 (kernels use bf16 and Ampere+ features)"
+    return True, f"triton {triton.__version__}"
+
+
+def _cuda_status():
+    if not torch.cuda.is_available():
+        # no device: report the extension without building it
+        loaded, reason, _ = _extension.status()
+        if loaded is None:
+            reason = "no CUDA device" if torch.version.cuda else f"torch {torch.__version__} is CPU-only"
+        return False, reason if not loaded else "extension loaded, but no CUDA device"
+    if not _extension.load():
+        return False, _extension.status()[1]
+    probe = torch.ops.ampkernels.probe_device_cuda()
+    if probe:
+        archs = _extension.build_info().get("archs")
+        return False, f"extension built for sm_{archs} does not run on this GPU: {probe}"
+    return True, f"ampkernels._C ({_extension.status()[2]}), archs {_extension.build_info().get('archs')}"
+
+
+def available_backends():
+    """{name: (available, reason)} for 'cuda', 'triton' and 'torch'."""
+    return {"cuda": _cuda_status(), "triton": _triton_status(), "torch": (True, "PyTorch reference, any device")}
+
+
+@functools.lru_cache(None)
+def _available(name):
+    return available_backends()[name]
+
+
+def _log_once(msg):
+    if msg not in _logged:
+        _logged.add(msg)
+        log.warning(msg)
+
+
+def requested(backend=None):
+    """The requested backend name and whether it was explicit (argument, not env/auto)."""
+    if backend is not None:
+        name, explicit = backend, backend != "auto"
+    else:
+        name, explicit = os.environ.get("AMPKERNELS_BACKEND", "auto") or "auto", False
+    if name not in CHOICES:
+        source = "backend" if backend is not None else "AMPKERNELS_BACKEND"
+        raise ValueError(f"{source} must be one of {CHOICES}, got {name!r}")
+    return name, explicit
+
+
+def _can_run(name, device):
+    """None if backend `name` can run on tensors of `device`, else why not."""
+    ok, reason = _available(name)
+    if not ok:
+        return f"backend {name!r} is unavailable: {reason}"
+    if name == "cuda" and device.type != "cuda":
+        return f"backend 'cuda' needs CUDA tensors, got tensors on {device}"
+    if name == "triton" and device.type != "cuda" and not (triton_interpret() and device.type == "cpu"):
+        return f"backend 'triton' needs CUDA tensors, got tensors on {device}"
+    return None
+
+
+def select(op, backend, device, preference, unsupported=None):
+    """The backend to run `op` with.
+
+    preference: backends "auto" tries, fastest first (the op decides per shape and dtype).
+    unsupported: why the kernels cannot take this input (e.g. a dtype), or None; then the
+    torch reference runs, and an explicit kernel request is an error naming the reason.
+    """
+    name, explicit = requested(backend)
+    if name == "torch":
+        return "torch"
+    if name != "auto":
+        why_not = unsupported or _can_run(name, device)
+        if why_not is None:
+            return name
+        if explicit:
+            raise RuntimeError(f"ampkernels.{op}: {why_not}")
+        if device.type == "cuda":
+            _log_once(f"ampkernels.{op}: AMPKERNELS_BACKEND={name} cannot run here ({why_not}); using 'auto'")
+    if unsupported or device.type != "cuda":
+        return "torch"
+    for candidate in preference:
+        why_not = _can_run(candidate, device)
+        if why_not is None:
+            return candidate
+        _log_once(f"ampkernels: skipping {why_not}")
+    return "torch"

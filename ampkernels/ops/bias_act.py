@@ -1,0 +1,83 @@
+"""bias_act: y = act(z + bias) over the last dim, forward and backward.
+
+The elementwise half of linear_act's unfused path (a GEMM, then this kernel), exposed
+for reuse and tests. Backends: "cuda" (csrc/bias_act.cu) and "torch" (reference).
+
+Pieces, in the order data meets them: custom ops (forward, backward) with fake
+implementations -> autograd Function (custom_fwd/custom_bwd) -> functional API.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import backends, reference
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@torch.library.custom_op("ampkernels::bias_act_fwd", mutates_args=())
+def bias_act_fwd(z: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> tuple[Tensor, Tensor]:
+    """(y, pre) for a 2-D contiguous z; pre = z + bias in z.dtype (what backward reads)."""
+    if backend == "cuda":
+        return torch.ops.ampkernels.bias_act_fwd_cuda(z, bias, reference.activation_id(activation), True)
+    return reference.bias_act(z, bias, activation)
+
+
+@bias_act_fwd.register_fake
+def _(z, bias, activation, backend):
+    return torch.empty_like(z), torch.empty_like(z)
+
+
+@torch.library.custom_op("ampkernels::bias_act_bwd", mutates_args=())
+def bias_act_bwd(dy: Tensor, pre: Tensor, activation: str, dbias_dtype: Optional[torch.dtype],
+                 backend: str) -> tuple[Tensor, Tensor]:
+    """(dz, dbias); dbias is empty when dbias_dtype is None."""
+    if backend == "cuda":
+        return torch.ops.ampkernels.bias_act_bwd_cuda(dy, pre, reference.activation_id(activation), dbias_dtype)
+    dz, dbias = reference.bias_act_backward(dy, pre, activation, dbias_dtype)
+    return dz, dy.new_empty(0) if dbias is None else dbias
+
+
+@bias_act_bwd.register_fake
+def _(dy, pre, activation, dbias_dtype, backend):
+    dbias = dy.new_empty(0) if dbias_dtype is None else dy.new_empty(dy.shape[-1], dtype=dbias_dtype)
+    return torch.empty_like(dy), dbias
+
+
+class BiasActFunction(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, z, bias, activation, backend):
+        y, pre = torch.ops.ampkernels.bias_act_fwd(z, bias, activation, backend)
+        ctx.save_for_backward(pre)
+        ctx.activation, ctx.backend = activation, backend
+        ctx.dbias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        (pre,) = ctx.saved_tensors
+        want_dbias = ctx.needs_input_grad[1]
+        dz, dbias = torch.ops.ampkernels.bias_act_bwd(dy.contiguous(), pre, ctx.activation,
+                                                      ctx.dbias_dtype if want_dbias else None, ctx.backend)
+        return dz, (dbias if want_dbias else None), None, None
+
+
+def bias_act(z, bias=None, activation="gelu_tanh", *, backend=None):
+    """act(z + bias) over the last dim of z (any leading dims); output in z.dtype.
+
+    bias: (z.shape[-1],) in z.dtype or float32. Math in fp32; dbias accumulated in fp32.
+    """
+    reference.activation_id(activation)
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != z.shape[-1]):
+        raise ValueError(f"bias must have shape ({z.shape[-1]},), got {tuple(bias.shape)}")
+    unsupported = None
+    if z.dtype not in _DTYPES:
+        unsupported = f"z dtype {z.dtype} is not one of {_DTYPES}"
+    elif bias is not None and bias.dtype not in (z.dtype, torch.float32):
+        unsupported = f"bias dtype {bias.dtype} is neither z's ({z.dtype}) nor float32"
+    name = backends.select("bias_act", backend, z.device, ("cuda",), unsupported)
+    z2 = z.reshape(-1, z.shape[-1]).contiguous()
+    return BiasActFunction.apply(z2, bias, activation, name).reshape(z.shape)

@@ -1,0 +1,147 @@
+"""Plain-PyTorch references of every ampkernels op, with the exact dtype contract.
+
+They are the test oracle, the CPU path and the fallback for inputs a kernel does not
+take. All math is fp32 (or float64 when the input is float64, for tests); nothing here
+depends on autocast being on or off.
+
+Contract (../shared/DESIGN.md, "Op semantics"):
+- layer_norm / rms_norm: statistics and normalisation in fp32; output in x.dtype unless
+  out_dtype says otherwise; mean/rstd in fp32. With a residual: s = x + residual (in fp32),
+  out = norm(s) of that fp32 sum, and s is returned in fp32 when residual_in_fp32 else in
+  x.dtype.
+- linear_act: y = act(x @ weight.T + bias) accumulated in fp32, returned in x.dtype; the
+  pre-activation (what backward needs) is x @ weight.T + bias rounded to x.dtype.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Order matches csrc/ampkernels.h `Activation`.
+ACTIVATIONS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "squared_relu")
+
+
+def activation_id(name):
+    """Index of an activation name, or a ValueError that lists the choices."""
+    try:
+        return ACTIVATIONS.index(name)
+    except ValueError:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}") from None
+
+
+def act_fwd(z, name):
+    """act(z), as torch defines it, in z's dtype."""
+    activation_id(name)
+    if name == "identity":
+        return z
+    if name == "relu":
+        return F.relu(z)
+    if name == "gelu":
+        return F.gelu(z)
+    if name == "gelu_tanh":
+        return F.gelu(z, approximate="tanh")
+    if name == "silu":
+        return F.silu(z)
+    return F.relu(z).square()  # squared_relu
+
+
+def act_grad(z, name):
+    """d act / dz at z, in z's dtype (the derivative torch's autograd uses)."""
+    activation_id(name)
+    if name == "identity":
+        return torch.ones_like(z)
+    if name == "relu":
+        return (z > 0).to(z.dtype)
+    if name == "gelu":
+        cdf = 0.5 * (1 + torch.erf(z * math.sqrt(0.5)))
+        return cdf + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+    if name == "gelu_tanh":
+        k = math.sqrt(2 / math.pi)
+        t = torch.tanh(k * (z + 0.044715 * z**3))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * k * (1 + 3 * 0.044715 * z * z)
+    if name == "silu":
+        s = torch.sigmoid(z)
+        return s * (1 + z * (1 - s))
+    return 2 * F.relu(z)  # squared_relu
+
+
+def _compute_dtype(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def bias_act(z, bias, activation):
+    """(y, pre): pre = z + bias rounded to z.dtype, y = act(pre) in z.dtype (the unfused path)."""
+    ct = _compute_dtype(z)
+    pre = z.to(ct) if bias is None else z.to(ct) + bias.to(ct)
+    pre = pre.to(z.dtype)
+    return act_fwd(pre.to(ct), activation).to(z.dtype), pre
+
+
+def bias_act_backward(dy, pre, activation, dbias_dtype=None):
+    """(dz, dbias): dz = dy * act'(pre) in dy.dtype; dbias = column sums of dz, accumulated in fp32."""
+    ct = _compute_dtype(dy)
+    dz = (dy.to(ct) * act_grad(pre.to(ct), activation)).to(dy.dtype)
+    dbias = None if dbias_dtype is None else dz.to(ct).sum(0).to(dbias_dtype)
+    return dz, dbias
+
+
+def norm_forward(x, weight, bias, eps, *, residual=None, residual_in_fp32=False, out_dtype=None, is_rms=False):
+    """The 2-D core of layer_norm / rms_norm over the last dim.
+
+    Returns (out, residual_sum or None, mean or None, rstd): mean (None for RMSNorm) and
+    rstd in fp32 (float64 for float64 input), one per row.
+    """
+    ct = _compute_dtype(x)
+    s = x.to(ct)
+    residual_sum = None
+    if residual is not None:
+        s = s + residual.to(ct)
+        # the unrounded sum is normalised; it is returned rounded to its storage dtype
+        residual_sum = s.to(torch.float32 if residual_in_fp32 and ct == torch.float32 else x.dtype)
+    if is_rms:
+        mean = None
+        rstd = torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)
+        y = s * rstd
+    else:
+        mean = s.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((s - mean).square().mean(-1, keepdim=True) + eps)
+        y = (s - mean) * rstd
+    if weight is not None:
+        y = y * weight.to(ct)
+    if bias is not None:
+        y = y + bias.to(ct)
+    out = y.to(out_dtype or x.dtype)
+    return out, residual_sum, None if mean is None else mean.squeeze(-1), rstd.squeeze(-1)
+
+
+def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms):
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise ValueError(f"normalized_shape {shape} does not match the last dims of x, shape {tuple(x.shape)}")
+    n = math.prod(shape)
+    flat = lambda t: None if t is None else t.reshape(-1, n)  # noqa: E731
+    res = None if residual is None else residual.reshape(-1, n)
+    out, residual_sum, _, _ = norm_forward(x.reshape(-1, n), flat(weight), flat(bias), eps, residual=res,
+                                           residual_in_fp32=residual_in_fp32, out_dtype=out_dtype, is_rms=is_rms)
+    out = out.reshape(x.shape)
+    return out if residual is None else (out, residual_sum.reshape(x.shape))
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None, residual_in_fp32=False,
+               out_dtype=None):
+    """LayerNorm over the trailing `normalized_shape` dims; see the module docstring for dtypes."""
+    return _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms=False)
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None, *, residual=None, residual_in_fp32=False, out_dtype=None):
+    """RMSNorm over the trailing dims; eps=None means torch.finfo(x.dtype).eps, as torch.nn.RMSNorm."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return _norm(x, normalized_shape, weight, None, eps, residual, residual_in_fp32, out_dtype, is_rms=True)
+
+
+def linear_act(x, weight, bias=None, activation="gelu_tanh"):
+    """y = act(x @ weight.T + bias), accumulated in fp32 (float64 for float64), returned in x.dtype."""
+    ct = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        z = F.linear(x.to(ct), weight.to(ct), None if bias is None else bias.to(ct))
+    return act_fwd(z, activation).to(x.dtype)

@@ -1,0 +1,81 @@
+"""Shared benchmark harness: timing (do_bench medians with 20/80 quantiles), the run's
+environment (GPU, versions, commit) and result rows appended as JSON lines.
+
+A row: {op, provider, shape..., dtype, pass (fwd|bwd|fwd_bwd), metric, value, ms, ms_p20,
+ms_p80, gpu, cc, torch, cuda, triton, commit, time}. Plots and reports read these rows.
+"""
+import datetime
+import functools
+import json
+import os
+import subprocess
+
+import torch
+
+
+@functools.lru_cache(None)
+def environment():
+    """GPU name, capability and versions for every row of this run."""
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": None, "gpu": "cpu", "cc": None}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cc"] = "%d.%d" % torch.cuda.get_device_capability()
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                       text=True, timeout=10).stdout.strip() or os.environ.get("AMPKERNELS_COMMIT")
+    except Exception:
+        env["commit"] = os.environ.get("AMPKERNELS_COMMIT")
+    env["commit"] = env["commit"] or os.environ.get("AMPKERNELS_COMMIT", "unknown")
+    return env
+
+
+def bench(fn, *, warmup=25, rep=100, grad_to_none=None):
+    """(median, p20, p80) milliseconds. GPU: triton.testing.do_bench (L2 flushed between
+    runs). CPU: wall clock of a few calls -- says nothing about GPU speed."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+        return tuple(do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8], grad_to_none=grad_to_none))
+    import time
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[2], times[1], times[3]
+
+
+class Recorder:
+    """Collects rows, prints one line per row, and appends them to OUT/results.jsonl."""
+
+    def __init__(self, out_dir=None, filename="results.jsonl"):
+        self.rows = []
+        self.path = os.path.join(out_dir, filename) if out_dir else None
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+
+    def add(self, **row):
+        row = {**row, **environment(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        self.rows.append(row)
+        keys = [k for k in ("op", "provider", "pass", "dtype", "shape") if k in row]
+        print("  ".join(f"{row[k]}" for k in keys), f"{row.get('value')} {row.get('metric', '')}", flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+
+def guard(recorder, what, fn):
+    """Run one measurement; record an error row instead of losing the whole run."""
+    try:
+        return fn()
+    except Exception as e:  # a failing provider must not stop the side-by-side run
+        recorder.add(op=what, provider="error", metric="error", value=f"{type(e).__name__}: {str(e)[:300]}")
+        return None

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build + install, doctor, the GPU test tier, benchmarks.
+# Logs and JSON go under $OUT (default ./out; at most 8 files come back from the device
+# tool, so plots are drawn afterwards from results.jsonl); a short summary is printed last.
+#
+#   bash scripts/gpu_run.sh                       # everything
+#   GPU_TESTS="tests/test_layer_norm.py" GPU_BENCH="layer_norm" bash scripts/gpu_run.sh
+#   GPU_TESTS=none GPU_BENCH="linear_act" BENCH_ARGS="--quick" bash scripts/gpu_run.sh
+#
+# GPU_TESTS: pytest paths/args for `pytest -m gpu` ("none" skips); GPU_BENCH: benchmark
+# ops (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
+# AMPKERNELS_COMMIT names the commit in result rows where the copy has no .git.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+export AMPKERNELS_FORCE_CUDA=1   # a GPU machine must build the extension
+PY=${PYTHON:-python3}
+status=()
+step() {  # step NAME LOGFILE CMD...: run, log, remember the exit code
+  local name=$1 log=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name"
+  "$@" >"$OUT/$log" 2>&1
+  local rc=$?
+  status+=("$name: rc=$rc ($((SECONDS - t0))s, $log)")
+  tail -n 5 "$OUT/$log"
+  return $rc
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  echo "commit ${AMPKERNELS_COMMIT:-unknown}"; } >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+step build build.log $PY -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${status[@]}"; exit 1; }
+step doctor doctor.json $PY -m ampkernels doctor --json
+
+if [ "${GPU_TESTS:-tests}" != none ]; then
+  # shellcheck disable=SC2086
+  step tests tests.log $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests}
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
+fi
+if [ "${GPU_BENCH:-all}" != none ]; then
+  # shellcheck disable=SC2086
+  step bench bench.log $PY -m ampkernels bench --op ${GPU_BENCH:-all} --out "$OUT" ${BENCH_ARGS:-}
+fi
+
+echo "== summary"
+printf '%s\n' "${status[@]}"
+grep -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1
+[ -f "$OUT/report.txt" ] && cat "$OUT/report.txt"
+exit 0

@@ -1,0 +1,29 @@
+"""Shared test helpers: relative-error checks against float64 references."""
+import torch
+
+# ‖out − ref‖ / ‖ref‖ bounds (DESIGN.md "Numerics").
+TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_rel_close(out, ref, dtype=None, factor=1.0, what="output"):
+    """Relative Frobenius error within TOL[dtype] * factor; NaN never passes; shapes must match."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any() or torch.isnan(ref).any(), f"{what}: NaN in output"
+    tol = TOL[dtype or out.dtype] * factor
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+def poison_(t):
+    """Fill a tensor with NaN so that a kernel that skips a write is caught."""
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0, offset=0.0, requires_grad=False):
+    t = torch.randn(*shape, dtype=torch.float32, device=device) * scale + offset
+    return t.to(dtype).requires_grad_(requires_grad)
