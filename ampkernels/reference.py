@@ -72,9 +72,9 @@ def _compute_dtype(t):
 def bias_act(z, bias, activation):
     """(y, pre): pre = z + bias rounded to z.dtype, y = act(pre) in z.dtype (the unfused path)."""
     ct = _compute_dtype(z)
-    pre = z.to(ct) if bias is None else z.to(ct) + bias.to(ct)
+    pre = z.to(ct, copy=True) if bias is None else z.to(ct) + bias.to(ct)
     pre = pre.to(z.dtype)
-    return act_fwd(pre.to(ct), activation).to(z.dtype), pre
+    return act_fwd(pre.to(ct), activation).to(z.dtype, copy=True), pre  # never aliases an input
 
 
 def bias_act_backward(dy, pre, activation, dbias_dtype=None):
