@@ -37,4 +37,34 @@ cudaError_t reduce_partials(const float* partial, void* out, int num_chunks, int
 const char* compiled_arch_list();
 cudaError_t probe_kernel_image();
 
+// ---- linear_act
+// cuBLASLt epilogues linear_act uses (csrc/linear_act.cu maps them to cublasLtEpilogue_t).
+enum class LtEpilogue : int { kDefault, kBias, kReLU, kReLUBias, kGELU, kGELUBias, kGELUAux, kGELUAuxBias, kBGradB };
+
+// One column-major GEMM D(m x n) = op(A)(m x k) * op(B)(k x n), fp16/bf16 in and out, fp32
+// accumulation, with an epilogue. bias: the bias (length m) or, for kBGradB, the bias
+// gradient output (length n); aux: GELU's pre-activation output (aux_ld >= m, multiple of 8).
+struct LtGemm {
+  int64_t m, n, k;
+  bool trans_a, trans_b;
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  void* d;
+  int64_t ldd;
+  DType dtype;
+  LtEpilogue epilogue;
+  void* bias;
+  void* aux;
+  int64_t aux_ld;
+};
+
+// Runs the GEMM on `stream` with a cached descriptor + algorithm. handle is a cublasLtHandle_t.
+// Returns nullptr on success, else a message naming the failed cuBLASLt call and the GEMM.
+const char* lt_matmul(const LtGemm& gemm, void* handle, void* workspace, size_t workspace_size, cudaStream_t stream);
+
+// Number of cached (descriptor, algorithm) plans, for tests.
+size_t lt_cached_plans();
+
 }  // namespace ampk

@@ -159,6 +159,195 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
 // ---------------------------------------------------------------- layer_norm / rms_norm
 
 // ---------------------------------------------------------------- linear_act
+//
+// y = act(x @ W^T + b), x (M, K), W (N, K), y (M, N), all row-major. cuBLASLt is
+// column-major, so every GEMM is written for the transposes (ld = row length):
+//   forward  y^T (N x M)  = W(N x K) . x^T(K x M):  A = W (K x N stored, transposed), B = x (K x M)
+//   dx^T     (K x M)      = W^T(K x N) . dz^T(N x M):  A = W (K x N), B = dz (N x M)
+//   dW^T     (K x N)      = x^T(K x M) . dz(M x N):    A = x (K x M), B = dz (N x M, transposed);
+//                           BGRADB sums op(B) = dz over M: dbias, fused into this GEMM.
+// Epilogues fuse bias, ReLU and GELU(tanh) (+ its pre-activation as aux). cuBLASLt's
+// DGELU/DRELU_BGRAD epilogues multiply a GEMM's *output* by act'(aux); in one layer's
+// backward act' multiplies the GEMM's *input* dz, so they do not apply here: dz = dy * act'(pre)
+// is the bias_act backward kernel. Other activations (erf GELU, SiLU, squared ReLU) run the
+// GEMM with the bias epilogue, then the bias_act kernel. Inputs cuBLASLt cannot take with a
+// fused epilogue (pointers not 16-byte aligned, N or K not multiples of 8, K = 0) run the
+// explicit fallback: at::mm (cuBLAS, any alignment) + the bias_act kernel.
+
+constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
+
+bool lt_aligned(const at::Tensor& t) {
+  return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+void run_lt(const LtGemm& g, const at::Tensor& like) {
+  // from the caching allocator: stream-ordered, so freeing it after the async launch is safe
+  const at::Tensor workspace = at::empty({int64_t(kLtWorkspaceBytes)}, like.options().dtype(at::kByte));
+  const char* err = lt_matmul(g, at::cuda::getCurrentCUDABlasLtHandle(), workspace.data_ptr(), kLtWorkspaceBytes,
+                              at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, "ampkernels.linear_act: ", err);
+}
+
+void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+  check_cuda(x, op, "x");
+  check_same_device(weight, x, op, "weight", "x");
+  check_contiguous(x, op, "x");
+  check_contiguous(weight, op, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op,
+              ": x must be (M, K) and weight (N, K), got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight dtype ", weight.scalar_type(),
+              " differs from x dtype ", x.scalar_type());
+}
+
+// cuBLASLt with a fused epilogue can take these operands (all 16-byte aligned, N and K multiples of 8).
+bool lt_fusable(const at::Tensor& a, const at::Tensor& b, int64_t n, int64_t k) {
+  return k > 0 && n % 8 == 0 && k % 8 == 0 && lt_aligned(a) && lt_aligned(b);
+}
+
+// (y, pre): pre = x W^T + b in x's dtype when store_pre, else empty. fuse=false forces the
+// fallback (tests compare both paths on the same inputs).
+std::tuple<at::Tensor, at::Tensor> linear_act_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                                  const std::optional<at::Tensor>& bias, int64_t activation,
+                                                  bool store_pre, bool fuse) {
+  constexpr const char* op = "linear_act_fwd_cuda";
+  check_linear_inputs(x, weight, op);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  if (bias) {
+    check_same_device(*bias, x, op, "bias", "x");
+    check_contiguous(*bias, op, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape (", N, ",), got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), op, ": bias dtype ", bias->scalar_type(),
+                " differs from x dtype ", x.scalar_type());
+  }
+  const Activation act = to_activation(activation, op);
+  const DType dtype = to_dtype(x.scalar_type(), op, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor pre = at::empty({store_pre ? M : 0, store_pre ? N : 0}, x.options());
+  if (M == 0 || N == 0) return {y, pre};
+
+  const bool lt = fuse && lt_fusable(x, weight, N, K) && (!bias || lt_aligned(*bias));
+  void* bias_ptr = bias ? bias->data_ptr() : nullptr;
+  if (lt) {
+    LtGemm g{N, M, K, true, false, weight.data_ptr(), K, x.data_ptr(), K, y.data_ptr(), N, dtype,
+             bias ? LtEpilogue::kBias : LtEpilogue::kDefault, bias_ptr, nullptr, 0};
+    if (act == Activation::kIdentity) {
+      run_lt(g, x);
+      if (store_pre) pre.copy_(y);
+      return {y, pre};
+    }
+    if (act == Activation::kReLU && !store_pre) {  // relu's backward reads its output (y > 0 iff pre > 0)
+      g.epilogue = bias ? LtEpilogue::kReLUBias : LtEpilogue::kReLU;
+      run_lt(g, x);
+      return {y, pre};
+    }
+    if (act == Activation::kGELUTanh) {  // cuBLASLt's GELU is the tanh approximation
+      if (store_pre) {
+        g.epilogue = bias ? LtEpilogue::kGELUAuxBias : LtEpilogue::kGELUAux;
+        g.aux = pre.data_ptr();
+        g.aux_ld = N;
+      } else {
+        g.epilogue = bias ? LtEpilogue::kGELUBias : LtEpilogue::kGELU;
+      }
+      run_lt(g, x);
+      return {y, pre};
+    }
+    // no epilogue for this activation: GEMM + bias into z, then act(z) (in place when pre is not kept)
+    at::Tensor z = store_pre ? pre : y;
+    g.d = z.data_ptr();
+    run_lt(g, x);
+    AMPK_CHECK_CUDA(bias_act_forward(z.data_ptr(), nullptr, y.data_ptr(), nullptr, M, N, dtype, dtype, act, stream));
+    return {y, pre};
+  }
+  // fallback: cuBLAS at any alignment, then the fused bias + activation kernel
+  const at::Tensor z = x.mm(weight.t());
+  AMPK_CHECK_CUDA(bias_act_forward(z.data_ptr(), bias_ptr, y.data_ptr(), store_pre ? pre.data_ptr() : nullptr, M, N,
+                                   dtype, dtype, act, stream));
+  return {y, pre};
+}
+
+// (dx, dweight, dbias), each empty when not asked for. `saved` is what forward kept: the
+// pre-activation, or for ReLU its output; unused (may be empty) for identity. dbias is
+// accumulated in fp32 and returned in x's dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                                              const at::Tensor& weight, const at::Tensor& saved,
+                                                              int64_t activation, bool need_dx, bool need_dw,
+                                                              bool need_db, bool fuse) {
+  constexpr const char* op = "linear_act_bwd_cuda";
+  check_linear_inputs(x, weight, op);
+  check_same_device(dy, x, op, "dy", "x");
+  check_contiguous(dy, op, "dy");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(dy.dim() == 2 && dy.size(0) == M && dy.size(1) == N, op, ": dy must have shape (", M, ", ", N,
+              "), got ", dy.sizes());
+  TORCH_CHECK(dy.scalar_type() == x.scalar_type(), op, ": dy dtype ", dy.scalar_type(), " differs from x dtype ",
+              x.scalar_type());
+  const Activation act = to_activation(activation, op);
+  const DType dtype = to_dtype(x.scalar_type(), op, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor dx = need_dx ? at::empty({M, K}, x.options()) : at::empty({0}, x.options());
+  at::Tensor dw = need_dw ? at::empty({N, K}, x.options()) : at::empty({0}, x.options());
+  at::Tensor db = need_db ? at::empty({N}, x.options()) : at::empty({0}, x.options());
+  if (M == 0) {
+    if (need_dx) dx.zero_();
+    if (need_dw) dw.zero_();
+    if (need_db) db.zero_();
+    return {dx, dw, db};
+  }
+  at::Tensor dz = dy;
+  if (act != Activation::kIdentity) {
+    check_same_device(saved, x, op, "saved", "x");
+    check_contiguous(saved, op, "saved");
+    TORCH_CHECK(saved.sizes() == dy.sizes() && saved.scalar_type() == dy.scalar_type(), op,
+                ": saved must match dy (", dy.sizes(), ", ", dy.scalar_type(), "), got ", saved.sizes(), ", ",
+                saved.scalar_type());
+    dz = at::empty_like(dy);
+    AMPK_CHECK_CUDA(bias_act_backward(dy.data_ptr(), saved.data_ptr(), dz.data_ptr(), nullptr, M, N, 1, dtype, act,
+                                      stream));
+  }
+  const bool lt = fuse && lt_fusable(x, weight, N, K) && lt_aligned(dz);
+  if (need_dx) {
+    if (lt) {
+      run_lt(LtGemm{K, M, N, false, false, weight.data_ptr(), K, dz.data_ptr(), N, dx.data_ptr(), K, dtype,
+                    LtEpilogue::kDefault, nullptr, nullptr, 0},
+             x);
+    } else {
+      dx.copy_(dz.mm(weight));
+    }
+  }
+  bool db_done = false;
+  if (need_dw) {
+    if (lt) {
+      run_lt(LtGemm{K, N, M, false, true, x.data_ptr(), K, dz.data_ptr(), N, dw.data_ptr(), K, dtype,
+                    need_db ? LtEpilogue::kBGradB : LtEpilogue::kDefault, need_db ? db.data_ptr() : nullptr, nullptr,
+                    0},
+             x);
+      db_done = need_db;
+    } else {
+      dw.copy_(dz.t().mm(x));
+    }
+  }
+  if (need_db && !db_done) db.copy_(dz.sum(at::IntArrayRef{0}, false, at::kFloat));  // fp32 accumulation, fixed order
+  return {dx, dw, db};
+}
+
+int64_t linear_act_lt_plans() { return int64_t(lt_cached_plans()); }
+
+TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
+  m.def("linear_act_fwd_cuda(Tensor x, Tensor weight, Tensor? bias, int activation, bool store_pre, bool fuse)"
+        " -> (Tensor y, Tensor pre)");
+  m.def("linear_act_bwd_cuda(Tensor dy, Tensor x, Tensor weight, Tensor saved, int activation, bool need_dx,"
+        " bool need_dw, bool need_db, bool fuse) -> (Tensor dx, Tensor dweight, Tensor dbias)");
+  m.def("linear_act_lt_plans_cuda() -> int", &linear_act_lt_plans);
+}
+TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
+  m.impl("linear_act_fwd_cuda", &linear_act_fwd);
+  m.impl("linear_act_bwd_cuda", &linear_act_bwd);
+}
 
 }  // namespace
 }  // namespace ampk

@@ -1,0 +1,202 @@
+"""linear_act: y = act(x @ weight.T + bias), forward and backward, fused.
+
+Backends:
+- "cuda": cuBLASLt with fused epilogues (csrc/linear_act.cu, section linear_act of
+  csrc/ops.cpp): bias, ReLU and GELU(tanh) (+ the pre-activation as aux output) in the GEMM
+  epilogue; the bias gradient fused into the weight-gradient GEMM (BGRADB). Activations
+  cuBLASLt has no epilogue for (erf GELU, SiLU, squared ReLU) run GEMM+bias, then the fused
+  bias_act kernel in place. Inputs cuBLASLt cannot take fused (pointers not 16-byte aligned,
+  N or K not multiples of 8) run the explicit fallback: at::mm + the bias_act kernel.
+- "triton": ampkernels/triton/linear_act.py, a persistent matmul with bias + activation in
+  the epilogue for every activation; backward: one fused dz = dy*act'(pre) + dbias pass, then
+  the two GEMMs on cuBLAS.
+- "torch": eager F.linear + activation in the compute dtype (the unfused baseline); for
+  fp32/fp64 inputs (autocast off) and CPU tensors.
+
+Saved for backward: x, weight and one hidden-sized tensor in the compute dtype: the
+pre-activation, or for ReLU its output (y > 0 exactly where pre > 0), or nothing for identity;
+never both pre- and post-activation. recompute=True saves no hidden-sized tensor and recomputes
+the pre-activation (one GEMM) in backward. dbias is accumulated in fp32.
+
+Pieces, in the order data meets them: custom ops (forward, backward) with fake
+implementations -> autograd Function (custom_fwd/custom_bwd) -> "auto" table -> functional API.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import backends, reference
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _eager(x, weight, bias, activation):
+    """(pre, y) the unfused way: F.linear then the activation, both in x's dtype."""
+    z = F.linear(x, weight, bias)
+    return z, reference.act_fwd(z, activation)
+
+
+# ---------------------------------------------------------------- forward custom op
+
+@torch.library.custom_op("ampkernels::linear_act_fwd", mutates_args=())
+def linear_act_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, store_pre: bool,
+                   backend: str) -> tuple[Tensor, Tensor]:
+    """(y, pre) for 2-D contiguous x (M, K), weight (N, K); pre = x W^T + b in x's dtype when
+    store_pre, else an empty (0, 0) tensor."""
+    act = reference.activation_id(activation)
+    if backend == "cuda":
+        return torch.ops.ampkernels.linear_act_fwd_cuda(x, weight, bias, act, store_pre, True)
+    if backend == "triton":
+        from ..triton import linear_act as tk
+        return tk.linear_act_fwd(x, weight, bias, act, store_pre)
+    with torch.autocast(x.device.type, enabled=False):
+        z, y = _eager(x, weight, bias, activation)
+    pre = z.clone() if store_pre and activation == "identity" else z  # outputs must not alias
+    return y.contiguous(), (pre.contiguous() if store_pre else x.new_empty(0, 0))
+
+
+@linear_act_fwd.register_fake
+def _(x, weight, bias, activation, store_pre, backend):
+    m, n = x.shape[0], weight.shape[0]
+    return x.new_empty(m, n), x.new_empty((m, n) if store_pre else (0, 0))
+
+
+# ---------------------------------------------------------------- backward custom op
+
+@torch.library.custom_op("ampkernels::linear_act_bwd", mutates_args=())
+def linear_act_bwd(dy: Tensor, x: Tensor, weight: Tensor, saved: Optional[Tensor], activation: str, need_dx: bool,
+                   need_dw: bool, need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias), each an empty (0,) tensor when not needed.
+
+    saved: the pre-activation (or ReLU's output; None for identity). dbias accumulated in fp32,
+    returned in x's dtype."""
+    act = reference.activation_id(activation)
+    if backend == "cuda":
+        s = saved if saved is not None else dy.new_empty(0)
+        return torch.ops.ampkernels.linear_act_bwd_cuda(dy, x, weight, s, act, need_dx, need_dw, need_db, True)
+    if backend == "triton" and activation != "identity":
+        from ..triton import linear_act as tk
+        dz, db32 = tk.linear_act_dz(dy, saved, act, need_db)
+    else:
+        ct = torch.float32 if dy.dtype in _KERNEL_DTYPES else dy.dtype
+        dz = dy if activation == "identity" else (dy.to(ct) * reference.act_grad(saved.to(ct), activation)).to(dy.dtype)
+        db32 = dz.sum(0, dtype=ct) if need_db else None
+    empty = dy.new_empty(0)
+    with torch.autocast(dy.device.type, enabled=False):
+        dx = dz.mm(weight) if need_dx else empty
+        dw = dz.t().mm(x) if need_dw else empty.clone()
+    db = db32.to(dy.dtype) if need_db else empty.clone()
+    return dx, dw, db
+
+
+@linear_act_bwd.register_fake
+def _(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend):
+    m, k, n = x.shape[0], x.shape[1], weight.shape[0]
+    return (x.new_empty((m, k) if need_dx else (0,)), x.new_empty((n, k) if need_dw else (0,)),
+            x.new_empty((n,) if need_db else (0,)))
+
+
+# ---------------------------------------------------------------- autograd
+
+class LinearActFunction(torch.autograd.Function):
+    """Saves x, weight and one hidden-sized tensor (see the module docstring)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, bias, activation, backend, recompute):
+        saves_hidden = activation != "identity" and not recompute
+        store_pre = saves_hidden and activation != "relu"
+        y, pre = torch.ops.ampkernels.linear_act_fwd(x, weight, bias, activation, store_pre, backend)
+        saved = (pre if store_pre else y) if saves_hidden else None
+        ctx.save_for_backward(x, weight, bias if recompute else None, saved)
+        ctx.activation, ctx.backend, ctx.recompute, ctx.has_bias = activation, backend, recompute, bias is not None
+        return y
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        x, weight, bias, saved = ctx.saved_tensors
+        if ctx.recompute and ctx.activation != "identity":
+            saved, _ = torch.ops.ampkernels.linear_act_fwd(x, weight, bias, "identity", False, ctx.backend)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dx, dw, db = torch.ops.ampkernels.linear_act_bwd(dy.contiguous(), x, weight, saved, ctx.activation, need_dx,
+                                                         need_dw, need_db and ctx.has_bias, ctx.backend)
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db and ctx.has_bias else None,
+                None, None, None)
+
+
+# ---------------------------------------------------------------- "auto"
+
+# Preference per (compute capability major, activation) -> backends fastest first, for the
+# shape bucket "large" (M*N >= 2^22) and "small". Default until measured on the H200
+# (benchmarks/bench_linear_act.py): cuBLASLt for everything -- its fused epilogues cost
+# nothing for bias/relu/gelu_tanh, and its unfused path (GEMM+bias, then the activation in
+# place) is the eager path minus the bias pass, so it is never slower than eager.
+_AUTO_DEFAULT = ("cuda", "triton")
+_AUTO_TABLE: dict = {}
+
+
+def _shape_bucket(m, n, k):
+    return "large" if m * n >= (1 << 22) else "small"
+
+
+def auto_preference(device, dtype, activation, m, n, k):
+    """Backends "auto" tries for this call, fastest first (measured where _AUTO_TABLE has it)."""
+    cc = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
+    return _AUTO_TABLE.get((cc, dtype, activation, _shape_bucket(m, n, k)), _AUTO_DEFAULT)
+
+
+# ---------------------------------------------------------------- functional API
+
+def _check_args(x, weight, bias):
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"linear_act: {name} must be a Tensor, got {type(t).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"linear_act: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear_act: x's last dim must equal weight's K = {weight.shape[1]} "
+                         f"(weight shape {tuple(weight.shape)}), got x shape {tuple(x.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"linear_act: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"linear_act: {name} is on {t.device} but x is on {x.device}")
+
+
+def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, recompute=False):
+    """act(x @ weight.T + bias) with the activation fused into the matmul.
+
+    x (..., K); weight (N, K); bias (N,) or None. activation: one of reference.ACTIVATIONS.
+    fp16/bf16 run the kernels; under autocast, floating inputs are cast to the autocast dtype
+    exactly as F.linear casts them; other dtypes (autocast off) take the torch path.
+    recompute=True saves memory: backward recomputes the pre-activation instead of keeping it.
+    backend: None/"auto" | "cuda" | "triton" | "torch" (see ampkernels.backends).
+    """
+    reference.activation_id(activation)
+    _check_args(x, weight, bias)
+    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+        dt = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dt), weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"linear_act: x, weight and bias must share a dtype (as for F.linear), got x {x.dtype}, "
+                        f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    unsupported = None
+    if x.dtype not in _KERNEL_DTYPES:
+        unsupported = f"dtype {x.dtype} is not float16/bfloat16"
+    name = backends.select("linear_act", backend, x.device, auto_preference(x.device, x.dtype, activation, m, n, k),
+                           unsupported)
+    x2, weight = x2.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, weight, bias))
+    if needs_grad:
+        y = LinearActFunction.apply(x2, weight, bias, activation, name, recompute)
+    else:  # inference: nothing saved, no autograd node
+        y, _ = torch.ops.ampkernels.linear_act_fwd(x2, weight, bias, activation, False, name)
+    return y.reshape(*lead, n)

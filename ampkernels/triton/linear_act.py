@@ -1,0 +1,217 @@
+"""Triton kernels for linear_act: y = act(x @ W^T + b).
+
+Forward (`_linear_act_fwd_kernel`): one program owns a BLOCK_M x BLOCK_N tile of y (M, N).
+It walks K in BLOCK_K steps, accumulating x (M, K) . W^T (K, N) in fp32 with tl.dot; the
+epilogue adds the bias in fp32, rounds the pre-activation to y's dtype (the value backward
+reads, stored to `pre` when STORE_PRE), and stores act(pre) in y's dtype. Programs walk the
+tiles in GROUP_M-row bands so that the programs in flight share W and x tiles in L2. The
+launch is persistent on a GPU (one program per SM, looping over tiles): the epilogue of one
+tile overlaps the main loop of the next on the other warps, and no tail wave is wasted.
+
+Backward (`_linear_act_dz_kernel`): dz = dy * act'(saved) over BLOCK_M x BLOCK_N tiles, in
+dy's dtype, plus fp32 column sums of dz per row block (the dbias partials, later summed in
+a fixed order: deterministic). The two GEMMs of the backward (dx = dz W, dW = dz^T x) run
+on cuBLAS: applying act' on the fly inside them would recompute it once per output tile
+column (K / BLOCK_N times), which for erf/tanh/exp activations costs more CUDA-core time than
+one extra elementwise pass costs bandwidth.
+
+Activation ids follow ampkernels.reference.ACTIVATIONS. All activation math is fp32.
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+_SQRT1_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+_SQRT_2_OVER_PI = 0.7978845608028654
+_GELU_TANH_COEF = 0.044715
+
+
+@triton.jit
+def _tanh(u):
+    # tl has no tanh in every version we support; this form saturates correctly at +-inf
+    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
+
+
+@triton.jit
+def _act_fwd(z, ACT: tl.constexpr):
+    if ACT == 1:  # relu (z <= 0 is False for NaN, so NaN propagates as in torch)
+        z = tl.where(z <= 0.0, 0.0, z)
+    elif ACT == 2:  # gelu (erf)
+        z = 0.5 * z * (1.0 + tl.math.erf(z * _SQRT1_2))
+    elif ACT == 3:  # gelu_tanh
+        z = 0.5 * z * (1.0 + _tanh(_SQRT_2_OVER_PI * (z + _GELU_TANH_COEF * z * z * z)))
+    elif ACT == 4:  # silu
+        z = z * tl.sigmoid(z)
+    elif ACT == 5:  # squared_relu
+        r = tl.where(z <= 0.0, 0.0, z)
+        z = r * r
+    return z
+
+
+@triton.jit
+def _act_grad(z, ACT: tl.constexpr):
+    if ACT == 0:
+        g = tl.full(z.shape, 1.0, tl.float32)
+    elif ACT == 1:
+        g = tl.where(z > 0.0, 1.0, 0.0)
+    elif ACT == 2:
+        g = 0.5 * (1.0 + tl.math.erf(z * _SQRT1_2)) + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z)
+    elif ACT == 3:
+        t = _tanh(_SQRT_2_OVER_PI * (z + _GELU_TANH_COEF * z * z * z))
+        g = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_COEF * z * z)
+    elif ACT == 4:
+        s = tl.sigmoid(z)
+        g = s * (1.0 + z * (1.0 - s))
+    else:
+        g = tl.where(z > 0.0, 2.0 * z, 0.0)
+    return g
+
+
+def _fwd_configs():
+    if _INTERPRET:  # small tiles: the interpreter runs them as numpy on CPU
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4)]
+    # Hopper (228 KB smem/SM): 128x256 and 256x128 tiles with 3 stages keep wgmma busy on large
+    # shapes; 128x128 with 4 stages suits small N or K; 8 warps = 2 warpgroups for a 128-row tile.
+    cfg = [
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (128, 128, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+    ]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+            for bm, bn, bk, s, w in cfg]
+
+
+@triton.autotune(configs=_fwd_configs(), key=["M", "N", "K", "ACT", "STORE_PRE", "HAS_BIAS"])
+@triton.jit
+def _linear_act_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, pre_ptr,
+    M, N, K,
+    stride_xm, stride_wn,
+    NUM_PROGRAMS,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_m * num_n
+    in_group = GROUP_M * num_n
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        group = tile // in_group
+        first_m = group * GROUP_M
+        group_size = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % group_size
+        pid_n = (tile % in_group) // group_size
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        # clamp rows/cols instead of masking the loads: the tail tile re-reads valid memory and
+        # its extra rows/cols are never stored (keeps the main loop's loads unmasked along M/N)
+        rm = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+        rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+        x_tile = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]
+        w_tile = w_ptr + rn[:, None] * stride_wn + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(x_tile, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(w_tile, mask=offs_k[None, :] < k_left, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)
+            x_tile += BLOCK_K
+            w_tile += BLOCK_K
+
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc += bias[None, :]
+        pre = acc.to(y_ptr.dtype.element_ty)  # rounded as the unfused path (GEMM, then act) rounds it
+        out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        out_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        if STORE_PRE:
+            tl.store(pre_ptr + out_off, pre, mask=out_mask)
+        y = _act_fwd(pre.to(tl.float32), ACT)
+        tl.store(y_ptr + out_off, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@functools.lru_cache(None)
+def _num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def linear_act_fwd(x, weight, bias, act_id, store_pre):
+    """(y, pre) for x (M, K), weight (N, K), bias (N,) or None, all contiguous, one dtype.
+
+    pre is x @ W^T + b in x's dtype when store_pre, else an empty (0, 0) tensor.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    pre = torch.empty((M, N) if store_pre else (0, 0), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y, pre
+    if K == 0:  # empty reduction: z = bias (or 0); tl.dot needs K >= 16 anyway
+        z = torch.zeros((M, N), dtype=torch.float32, device=x.device)
+        if bias is not None:
+            z += bias.float()
+        z = z.to(x.dtype)
+        from ..reference import ACTIVATIONS, act_fwd
+        y.copy_(act_fwd(z.float(), ACTIVATIONS[act_id]))
+        if store_pre:
+            pre.copy_(z)
+        return y, pre
+    # persistent on a GPU: at most one program per SM, each striding over tiles by that count
+    # (when there are fewer tiles, each program takes one and the stride never matters)
+    if x.is_cuda:
+        programs = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    else:
+        programs = 1 << 30
+
+    def grid(meta):
+        return (min(programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    _linear_act_fwd_kernel[grid](x, weight, bias if bias is not None else x, y, pre if store_pre else y, M, N, K,
+                                 x.stride(0), weight.stride(0), programs, ACT=act_id, HAS_BIAS=bias is not None,
+                                 STORE_PRE=store_pre)
+    return y, pre
+
+
+@triton.jit
+def _linear_act_dz_kernel(dy_ptr, s_ptr, dz_ptr, part_ptr, M, N, ACT: tl.constexpr, WANT_PARTIAL: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    dy = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    dz = (dy * _act_grad(s, ACT)).to(dz_ptr.dtype.element_ty)
+    tl.store(dz_ptr + off, dz, mask=mask)
+    if WANT_PARTIAL:  # dbias = column sums of dz as stored, accumulated in fp32
+        col = tl.sum(tl.where(mask, dz.to(tl.float32), 0.0), axis=0)
+        tl.store(part_ptr + pid_m * N + offs_n, col, mask=offs_n < N)
+
+
+def linear_act_dz(dy, saved, act_id, want_dbias):
+    """(dz, dbias_fp32 or None): dz = dy * act'(saved) in dy's dtype; dbias = column sums in fp32."""
+    M, N = dy.shape
+    dz = torch.empty_like(dy)
+    if M == 0 or N == 0:
+        return dz, (torch.zeros(N, dtype=torch.float32, device=dy.device) if want_dbias else None)
+    # 64 x 128 tiles: 16-byte vectors along N and enough rows per program for the column sums
+    BLOCK_M, BLOCK_N = (32, 32) if _INTERPRET else (64, 128)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    part = torch.empty((grid[0], N), dtype=torch.float32, device=dy.device) if want_dbias else dz
+    _linear_act_dz_kernel[grid](dy, saved, dz, part, M, N, ACT=act_id, WANT_PARTIAL=want_dbias,
+                                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+    return dz, (part.sum(0) if want_dbias else None)

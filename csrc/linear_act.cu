@@ -1,0 +1,167 @@
+// linear_act's GEMMs through cuBLASLt, with fused epilogues.
+//
+// Contract: one call = one column-major GEMM  D(m x n) = op(A)(m x k) * op(B)(k x n)  in
+// fp16 or bf16 with fp32 accumulation (CUBLAS_COMPUTE_32F), plus an epilogue:
+//   bias (length m, D's dtype), ReLU/GELU(tanh) on the fp32 result, GELU's pre-activation
+//   written to `aux` (D's dtype, leading dim aux_ld), or BGRADB: the fp32-accumulated
+//   column sums of op(B) over k written to `bias` (the bias gradient, D's dtype).
+// Row-major torch tensors are read as their transposes (see ops.cpp for the mapping).
+//
+// The matmul descriptor, the three layouts and the heuristic's algorithm are created once
+// per (device, m, n, k, transposes, leading dims, dtype, epilogue, bias, aux_ld) and cached;
+// the callers only take this path with 16-byte aligned pointers and leading dims that are
+// multiples of 8, so alignment is part of the key by construction. Pointers (bias, aux)
+// are set on the cached descriptor under the cache's lock just before cublasLtMatmul, which
+// reads them at call time (the launch itself is asynchronous and graph-capturable).
+// Every cuBLASLt status is checked; the message names the call and the GEMM.
+#include <cublasLt.h>
+
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "ampkernels.h"
+
+namespace ampk {
+namespace {
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, int, int, bool, int64_t,
+                       size_t>;
+
+std::mutex g_mutex;
+std::map<Key, Plan> g_plans;  // never freed: a handful per model shape, alive for the process
+thread_local std::string g_error;
+
+cublasLtEpilogue_t to_lt(LtEpilogue e) {
+  switch (e) {
+    case LtEpilogue::kDefault: return CUBLASLT_EPILOGUE_DEFAULT;
+    case LtEpilogue::kBias: return CUBLASLT_EPILOGUE_BIAS;
+    case LtEpilogue::kReLU: return CUBLASLT_EPILOGUE_RELU;
+    case LtEpilogue::kReLUBias: return CUBLASLT_EPILOGUE_RELU_BIAS;
+    case LtEpilogue::kGELU: return CUBLASLT_EPILOGUE_GELU;
+    case LtEpilogue::kGELUBias: return CUBLASLT_EPILOGUE_GELU_BIAS;
+    case LtEpilogue::kGELUAux: return CUBLASLT_EPILOGUE_GELU_AUX;
+    case LtEpilogue::kGELUAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case LtEpilogue::kBGradB: return CUBLASLT_EPILOGUE_BGRADB;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+bool uses_aux(LtEpilogue e) { return e == LtEpilogue::kGELUAux || e == LtEpilogue::kGELUAuxBias; }
+bool uses_bias(LtEpilogue e) {
+  return e == LtEpilogue::kBias || e == LtEpilogue::kReLUBias || e == LtEpilogue::kGELUBias ||
+         e == LtEpilogue::kGELUAuxBias || e == LtEpilogue::kBGradB;
+}
+
+const char* fail(const char* call, cublasStatus_t s, const LtGemm& g) {
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                "cuBLASLt %s failed: %s (GEMM m=%lld n=%lld k=%lld trans_a=%d trans_b=%d lda=%lld ldb=%lld "
+                "ldd=%lld dtype=%d epilogue=%d)",
+                call, cublasLtGetStatusString(s), (long long)g.m, (long long)g.n, (long long)g.k, int(g.trans_a),
+                int(g.trans_b), (long long)g.lda, (long long)g.ldb, (long long)g.ldd, int(g.dtype), int(g.epilogue));
+  g_error = buf;
+  return g_error.c_str();
+}
+
+#define AMPK_LT(call)                                     \
+  do {                                                    \
+    const cublasStatus_t s_ = (call);                     \
+    if (s_ != CUBLAS_STATUS_SUCCESS) return fail(#call, s_, g); \
+  } while (0)
+
+const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, size_t workspace_size, Plan& p) {
+  const cudaDataType_t t = g.dtype == DType::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  AMPK_LT(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  const cublasLtEpilogue_t epi = to_lt(g.epilogue);
+  AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  if (uses_bias(g.epilogue)) {
+    const int32_t bt = t;  // bias (or its gradient) in D's dtype
+    AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+    AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  }
+  if (uses_aux(g.epilogue)) {
+    AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &g.aux_ld, sizeof(g.aux_ld)));
+    AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)));
+  }
+  // op(A) is m x k: stored k x m when transposed
+  AMPK_LT(cublasLtMatrixLayoutCreate(&p.a, t, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda));
+  AMPK_LT(cublasLtMatrixLayoutCreate(&p.b, t, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb));
+  AMPK_LT(cublasLtMatrixLayoutCreate(&p.d, t, g.m, g.n, g.ldd));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  AMPK_LT(cublasLtMatmulPreferenceCreate(&pref));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                          &workspace_size, sizeof(workspace_size));
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (s != CUBLAS_STATUS_SUCCESS) return fail("cublasLtMatmulAlgoGetHeuristic", s, g);
+  if (found == 0) return fail("cublasLtMatmulAlgoGetHeuristic (no algorithm)", CUBLAS_STATUS_NOT_SUPPORTED, g);
+  p.algo = result.algo;
+  return nullptr;
+}
+
+void destroy(Plan& p) {
+  if (p.a) cublasLtMatrixLayoutDestroy(p.a);
+  if (p.b) cublasLtMatrixLayoutDestroy(p.b);
+  if (p.d) cublasLtMatrixLayoutDestroy(p.d);
+  if (p.desc) cublasLtMatmulDescDestroy(p.desc);
+  p = Plan{};
+}
+
+}  // namespace
+
+const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t workspace_size, cudaStream_t stream) {
+  if (g.dtype == DType::kFloat32) {
+    g_error = "lt_matmul: fp32 is not a linear_act compute dtype";
+    return g_error.c_str();
+  }
+  auto handle = static_cast<cublasLtHandle_t>(handle_);
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    g_error = "lt_matmul: cudaGetDevice failed";
+    return g_error.c_str();
+  }
+  const Key key{device,  g.m,   g.n,   g.k,          g.trans_a,           g.trans_b,           g.lda,
+                g.ldb,   g.ldd, int(g.dtype), int(g.epilogue), g.bias != nullptr, g.aux_ld, workspace_size};
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) {
+    Plan p;
+    if (const char* err = make_plan(g, handle, workspace_size, p)) {
+      destroy(p);
+      return err;
+    }
+    it = g_plans.emplace(key, p).first;
+  }
+  Plan& p = it->second;
+  if (uses_bias(g.epilogue))
+    AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  if (uses_aux(g.epilogue))
+    AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)));
+  const float alpha = 1.f, beta = 0.f;
+  AMPK_LT(cublasLtMatmul(handle, p.desc, &alpha, g.a, p.a, g.b, p.b, &beta, g.d, p.d, g.d, p.d, &p.algo, workspace,
+                         workspace_size, stream));
+  return nullptr;
+}
+
+size_t lt_cached_plans() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_plans.size();
+}
+
+}  // namespace ampk
