@@ -45,7 +45,7 @@ def test_bad_bias_shape_is_a_clear_error():
 
 def test_opcheck_cpu():
     z, b = randn(6, 10), randn(10)
-    torch.library.opcheck(torch.ops.ampkernels.bias_act_fwd.default, (z, b, "gelu", "torch"))
+    torch.library.opcheck(torch.ops.ampkernels.bias_act_fwd.default, (z, b, "gelu", True, "torch"))
     torch.library.opcheck(torch.ops.ampkernels.bias_act_bwd.default, (z, z.clone(), "gelu", torch.float32, "torch"))
 
 

@@ -17,16 +17,19 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @torch.library.custom_op("ampkernels::bias_act_fwd", mutates_args=())
-def bias_act_fwd(z: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> tuple[Tensor, Tensor]:
-    """(y, pre) for a 2-D contiguous z; pre = z + bias in z.dtype (what backward reads)."""
+def bias_act_fwd(z: Tensor, bias: Optional[Tensor], activation: str, store_pre: bool,
+                 backend: str) -> tuple[Tensor, Tensor]:
+    """(y, pre) for a 2-D contiguous z; pre = z + bias in z.dtype (what backward reads),
+    or an empty tensor when store_pre is False."""
     if backend == "cuda":
-        return torch.ops.ampkernels.bias_act_fwd_cuda(z, bias, reference.activation_id(activation), True)
-    return reference.bias_act(z, bias, activation)
+        return torch.ops.ampkernels.bias_act_fwd_cuda(z, bias, reference.activation_id(activation), store_pre)
+    y, pre = reference.bias_act(z, bias, activation)
+    return y, pre if store_pre else z.new_empty(0)
 
 
 @bias_act_fwd.register_fake
-def _(z, bias, activation, backend):
-    return torch.empty_like(z), torch.empty_like(z)
+def _(z, bias, activation, store_pre, backend):
+    return torch.empty_like(z), torch.empty_like(z) if store_pre else z.new_empty(0)
 
 
 @torch.library.custom_op("ampkernels::bias_act_bwd", mutates_args=())
@@ -49,7 +52,7 @@ class BiasActFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, z, bias, activation, backend):
-        y, pre = torch.ops.ampkernels.bias_act_fwd(z, bias, activation, backend)
+        y, pre = torch.ops.ampkernels.bias_act_fwd(z, bias, activation, True, backend)
         ctx.save_for_backward(pre)
         ctx.activation, ctx.backend = activation, backend
         ctx.dbias_dtype = None if bias is None else bias.dtype

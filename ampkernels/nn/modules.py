@@ -1,0 +1,93 @@
+"""Modules that are the torch module they replace: same constructor, parameters,
+state_dict keys and repr; only forward changes. Inputs the kernels do not take (CPU,
+float64, ...) run the torch reference path inside the ops, unnoticed by the caller.
+
+`backend` (None = "auto" / AMPKERNELS_BACKEND) is a plain attribute, not state.
+"""
+import torch
+
+from .. import reference
+from ..ops.layer_norm import layer_norm, rms_norm
+from ..ops.linear_act import linear_act
+from ..ops.mlp import fused_mlp
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """torch.nn.LayerNorm whose output keeps the input dtype under autocast (fp32 math inside)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None, *,
+                 backend=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self.backend = backend
+
+    def forward(self, x):
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, backend=self.backend)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm whose output keeps the input dtype under autocast (fp32 math inside)."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *, backend=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.backend = backend
+
+    def forward(self, x):
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self.backend)
+
+
+class Linear(torch.nn.Linear):
+    """torch.nn.Linear followed by a fused activation: act(x @ weight.T + bias).
+
+    activation: one of ampkernels.ACTIVATIONS ("identity" makes it a plain Linear).
+    """
+
+    def __init__(self, in_features, out_features, bias=True, activation="identity", device=None, dtype=None, *,
+                 backend=None):
+        reference.activation_id(activation)
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.activation = activation
+        self.backend = backend
+
+    def forward(self, x):
+        return linear_act(x, self.weight, self.bias, self.activation, backend=self.backend)
+
+    def extra_repr(self):
+        return super().extra_repr() + f", activation={self.activation!r}"
+
+
+_ACTIVATION_MODULES = {
+    "identity": torch.nn.Identity, "relu": torch.nn.ReLU, "gelu": torch.nn.GELU,
+    "gelu_tanh": lambda: torch.nn.GELU(approximate="tanh"), "silu": torch.nn.SiLU,
+}
+
+
+class _SquaredReLU(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x).square()
+
+
+class FusedMLP(torch.nn.Sequential):
+    """Linear(in, hidden) -> activation -> Linear(hidden, out), fused.
+
+    It is the nn.Sequential it replaces: children 0, 1, 2 and state_dict keys
+    0.weight, 0.bias, 2.weight, 2.bias, so checkpoints load both ways.
+
+    Saved for backward: the input, the weights and ONE hidden-sized tensor (the
+    pre-activation, in the compute dtype). The eager block keeps two (pre- and
+    post-activation); here the post-activation is recomputed from the pre-activation in
+    backward (one elementwise pass), which is what makes the memory saving.
+    """
+
+    def __init__(self, in_features, hidden_features, out_features=None, activation="gelu_tanh", bias=True,
+                 device=None, dtype=None, *, backend=None):
+        reference.activation_id(activation)
+        out_features = in_features if out_features is None else out_features
+        act = _ACTIVATION_MODULES.get(activation, _SquaredReLU)()
+        super().__init__(torch.nn.Linear(in_features, hidden_features, bias, device, dtype), act,
+                         torch.nn.Linear(hidden_features, out_features, bias, device, dtype))
+        self.activation = activation
+        self.backend = backend
+
+    def forward(self, x):
+        fc1, fc2 = self[0], self[2]
+        return fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.activation, backend=self.backend)

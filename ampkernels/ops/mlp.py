@@ -1,0 +1,108 @@
+"""fused_mlp: out = act(x @ w1.T + b1) @ w2.T + b2, the MLP block behind nn.FusedMLP.
+
+Memory is the point: backward keeps x, the weights and one hidden-sized tensor, the
+pre-activation (compute dtype). The post-activation h is produced in forward for the
+second GEMM and dropped; backward recomputes it from the pre-activation with one
+elementwise pass. Eager Linear -> act -> Linear keeps both (two hidden-sized tensors).
+
+Backends: "cuda" (the bias_act kernel around cuBLAS GEMMs), "triton"/"torch" use the
+same structure with their own elementwise path. Pieces in data order: custom ops
+(forward, backward) with fakes -> autograd Function -> functional API.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import backends, reference
+from .bias_act import bias_act_bwd, bias_act_fwd
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _elementwise_backend(backend):
+    return "cuda" if backend == "cuda" else "torch"
+
+
+@torch.library.custom_op("ampkernels::fused_mlp_fwd", mutates_args=())
+def fused_mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
+                  backend: str) -> tuple[Tensor, Tensor]:
+    """(out, pre) for 2-D x; pre = x @ w1.T + b1 in x.dtype."""
+    pre = F.linear(x, w1, b1)  # cuBLAS with the bias in its epilogue
+    h, _ = bias_act_fwd(pre, None, activation, False, _elementwise_backend(backend))
+    return F.linear(h, w2, b2), pre
+
+
+@fused_mlp_fwd.register_fake
+def _(x, w1, b1, w2, b2, activation, backend):
+    return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(x.shape[0], w1.shape[0])
+
+
+@torch.library.custom_op("ampkernels::fused_mlp_bwd", mutates_args=())
+def fused_mlp_bwd(dout: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, activation: str,
+                  b1_dtype: Optional[torch.dtype], b2_dtype: Optional[torch.dtype],
+                  backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw1, db1, dw2, db2); a bias gradient is empty when its dtype is None."""
+    elementwise = _elementwise_backend(backend)
+    h, _ = bias_act_fwd(pre, None, activation, False, elementwise)  # recompute the post-activation
+    dw2 = dout.t().mm(h)
+    del h
+    db2 = dout.new_empty(0) if b2_dtype is None else dout.sum(0, dtype=torch.float32).to(b2_dtype)
+    dh = dout.mm(w2)
+    dpre, db1 = bias_act_bwd(dh, pre, activation, b1_dtype, elementwise)
+    del dh
+    return dpre.mm(w1), dpre.t().mm(x), db1, dw2, db2
+
+
+@fused_mlp_bwd.register_fake
+def _(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
+    bias_grad = lambda dt, n: dout.new_empty(0) if dt is None else dout.new_empty(n, dtype=dt)  # noqa: E731
+    return (torch.empty_like(x), torch.empty_like(w1), bias_grad(b1_dtype, w1.shape[0]), torch.empty_like(w2),
+            bias_grad(b2_dtype, w2.shape[0]))
+
+
+class FusedMLPFunction(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, w1, b1, w2, b2, activation, backend):
+        out, pre = torch.ops.ampkernels.fused_mlp_fwd(x, w1, b1, w2, b2, activation, backend)
+        ctx.save_for_backward(x, w1, w2, pre)
+        ctx.activation, ctx.backend = activation, backend
+        ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+        return out
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout):
+        x, w1, w2, pre = ctx.saved_tensors
+        dx, dw1, db1, dw2, db2 = torch.ops.ampkernels.fused_mlp_bwd(
+            dout.contiguous(), x, w1, w2, pre, ctx.activation, *ctx.bias_dtypes, ctx.backend)
+        none_if_empty = lambda g, dt: None if dt is None else g  # noqa: E731
+        return (dx, dw1, none_if_empty(db1, ctx.bias_dtypes[0]), dw2, none_if_empty(db2, ctx.bias_dtypes[1]),
+                None, None)
+
+
+def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
+    """act(x @ w1.T + b1) @ w2.T + b2 over the last dim of x, keeping one hidden-sized
+    tensor for backward. Under CUDA autocast, inputs are cast to the autocast dtype as
+    F.linear casts them; fp32 without autocast, CPU tensors and other dtypes run eager torch."""
+    reference.activation_id(activation)
+    if x.shape[-1] != w1.shape[1] or w2.shape[1] != w1.shape[0]:
+        raise ValueError(f"shapes do not chain: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} "
+                         "(need x[..., K], w1 (H, K), w2 (N, H))")
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+        b1, b2 = (None if b is None else b.to(dtype) for b in (b1, b2))
+    unsupported = None
+    if x.dtype not in _DTYPES:
+        unsupported = f"x dtype {x.dtype} is not float16/bfloat16"
+    elif any(t is not None and t.dtype != x.dtype for t in (w1, b1, w2, b2)):
+        unsupported = "weights and biases must share x's dtype"
+    name = backends.select("fused_mlp", backend, x.device, ("cuda", "triton"), unsupported)
+    if name == "torch":  # the eager block, exactly what FusedMLP replaces
+        return F.linear(reference.act_fwd(F.linear(x, w1, b1), activation), w2, b2)
+    out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]).contiguous(), w1.contiguous(), b1, w2.contiguous(), b2,
+                                 activation, name)
+    return out.reshape(*x.shape[:-1], w2.shape[0])

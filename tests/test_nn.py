@@ -1,0 +1,234 @@
+"""Drop-in modules and convert(): the torch modules they replace, and real model structures."""
+import copy
+
+import pytest
+import torch
+
+import ampkernels
+import ampkernels.nn as aknn
+from tests.utils import assert_rel_close
+
+transformers = pytest.importorskip("transformers")
+
+
+def _same_grads(a, b, dtype, factor=4):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert_rel_close(pa.grad, pb.grad, dtype, factor=factor, what=f"grad of {name}")
+
+
+# ------------------------------------------------------------------ modules vs torch
+
+def _module_pairs(device, dtype=None):
+    kw = dict(device=device, dtype=dtype)
+    return [
+        (torch.nn.LayerNorm(96, **kw), aknn.LayerNorm(96, **kw)),
+        (torch.nn.LayerNorm((4, 24), eps=1e-6, bias=False, **kw), aknn.LayerNorm((4, 24), eps=1e-6, bias=False, **kw)),
+        (torch.nn.RMSNorm(96, **kw), aknn.RMSNorm(96, **kw)),
+        (torch.nn.Sequential(torch.nn.Linear(96, 40, **kw), torch.nn.GELU(approximate="tanh")),
+         aknn.Linear(96, 40, activation="gelu_tanh", **kw)),
+        (torch.nn.Sequential(torch.nn.Linear(96, 200, **kw), torch.nn.SiLU(), torch.nn.Linear(200, 96, **kw)),
+         aknn.FusedMLP(96, 200, activation="silu", **kw)),
+    ]
+
+
+def _load_shared(torch_mod, ak_mod):
+    sd = torch_mod.state_dict()
+    if isinstance(ak_mod, aknn.Linear):
+        sd = {k.split(".", 1)[1]: v for k, v in sd.items()}  # Sequential(Linear, act) -> Linear keys
+    ak_mod.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_modules_match_torch_on_cpu(index):
+    torch_mod, ak_mod = _module_pairs("cpu")[index]
+    with torch.no_grad():
+        for p in torch_mod.parameters():
+            p.normal_(0, 0.3)  # non-trivial weights, not ones/zeros
+    _load_shared(torch_mod, ak_mod)
+    x = torch.randn(3, 5, 4, 24) if index == 1 else torch.randn(3, 5, 96)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_t, out_a = torch_mod(xa), ak_mod(xb)
+    assert_rel_close(out_a, out_t, torch.float32, factor=10)
+    dy = torch.randn_like(out_t)
+    out_t.backward(dy)
+    out_a.backward(dy)
+    assert_rel_close(xb.grad, xa.grad, torch.float32, factor=10)
+    _same_grads(torch_mod, ak_mod, torch.float32, factor=10)
+
+
+def test_state_dict_and_repr_are_torchs():
+    t, a = torch.nn.LayerNorm(64), aknn.LayerNorm(64)
+    assert repr(t) == repr(a) and t.state_dict().keys() == a.state_dict().keys()
+    t, a = torch.nn.RMSNorm(64, eps=1e-6), aknn.RMSNorm(64, eps=1e-6)
+    assert repr(t) == repr(a) and t.state_dict().keys() == a.state_dict().keys()
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    mlp = aknn.FusedMLP(8, 32, activation="gelu")
+    mlp.load_state_dict(seq.state_dict())  # both ways, same keys
+    seq.load_state_dict(mlp.state_dict())
+    assert torch.equal(seq[2].weight, mlp[2].weight)
+    lin = aknn.Linear(8, 4, activation="relu")
+    torch.nn.Linear(8, 4).load_state_dict(lin.state_dict())
+    assert "activation='relu'" in repr(lin) and isinstance(lin, torch.nn.Linear)
+
+
+def test_module_rejects_unknown_activation():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        aknn.Linear(4, 4, activation="tanh")
+
+
+# ------------------------------------------------------------------ convert()
+
+def _tiny_models():
+    T = transformers
+    bert = T.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    gpt2 = T.GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    llama = T.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return {"bert": (T.BertForMaskedLM, bert), "gpt2": (T.GPT2LMHeadModel, gpt2), "llama": (T.LlamaForCausalLM, llama)}
+
+
+EXPECTED = {  # what convert() must find in the 2-layer configs above
+    "bert": {"LayerNorm": 6, "Linear": 3},     # embeddings + 2 per layer + MLM head; 2 intermediates + head
+    "gpt2": {"LayerNorm": 5, "Conv1DAct": 2},  # ln_1, ln_2 per layer + ln_f; c_fc per layer
+    "llama": {"RMSNorm": 5, "Linear": 2},      # 2 per layer + final norm; gate_proj per layer
+}
+
+
+def _build(name, device="cpu"):
+    cls, cfg = _tiny_models()[name]
+    torch.manual_seed(0)
+    return cls(cfg).to(device).eval()
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_convert_hf_models_on_cpu(name):
+    ref = _build(name)
+    model = copy.deepcopy(ref)
+    params_before = {id(p) for p in model.parameters()}
+    _, report = aknn.convert(model)
+    counts = {}
+    for _, _, new in report.replaced:
+        counts[new] = counts.get(new, 0) + 1
+    assert counts == EXPECTED[name], str(report)
+    assert {id(p) for p in model.parameters()} == params_before  # shared, never copied
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        assert_rel_close(model(ids).logits, ref(ids).logits, torch.float32, factor=10)
+
+
+def test_convert_options_and_unknown_models():
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.LayerNorm(16), torch.nn.Tanh())
+    only_norms = copy.deepcopy(seq)
+    _, report = aknn.convert(only_norms, linears=False)
+    assert [r[2] for r in report.replaced] == ["LayerNorm"] and type(only_norms[0]) is torch.nn.Linear
+    _, report = aknn.convert(seq, norms=False, backend="torch")
+    assert [r[2] for r in report.replaced] == ["Linear"] and seq[0].activation == "relu"
+    assert isinstance(seq[1], torch.nn.Identity) and seq[0].backend == "torch"
+
+    class Custom(torch.nn.Module):  # activation applied through something we cannot see
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.act = torch.nn.Tanh()
+
+        def forward(self, x):
+            return self.act(self.fc(x)) * 2
+
+    custom = Custom()
+    before = copy.deepcopy(custom.state_dict())
+    _, report = aknn.convert(custom)
+    assert report.replaced == [] and "unchanged" in str(report)
+    assert type(custom.fc) is torch.nn.Linear and all(torch.equal(before[k], v) for k, v in custom.state_dict().items())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        aknn.convert(custom, backend="fast")
+
+
+# ------------------------------------------------------------------ GPU tier
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("index", range(5))
+def test_modules_match_torch_under_autocast(dtype, index):
+    torch_mod, ak_mod = _module_pairs("cuda")[index]
+    with torch.no_grad():
+        for p in torch_mod.parameters():
+            p.normal_(0, 0.3)
+    _load_shared(torch_mod, ak_mod)
+    x = torch.randn(4, 33, 4, 24) if index == 1 else torch.randn(4, 33, 96)
+    x = x.to("cuda", dtype)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=dtype):
+        out_t, out_a = torch_mod(xa), ak_mod(xb)
+    assert out_a.dtype == dtype  # norms keep the activation dtype (nn.LayerNorm gives fp32 here)
+    assert_rel_close(out_a.float(), out_t.float(), dtype, factor=4)
+    dy = torch.randn_like(out_t)
+    out_t.backward(dy)
+    out_a.backward(dy.to(out_a.dtype))
+    assert_rel_close(xb.grad, xa.grad, dtype, factor=4)
+    _same_grads(torch_mod, ak_mod, dtype, factor=8)
+
+
+@pytest.mark.gpu
+def test_fused_mlp_keeps_one_hidden_tensor():
+    def saved_bytes(mod, x):
+        sizes = []
+        def pack(t):
+            sizes.append(t.numel() * t.element_size() if t.numel() > 96 * 96 * 4 else 0)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cuda", dtype=torch.float16):
+                mod(x)
+        return sum(sizes)
+    x = torch.randn(4096, 96, device="cuda", requires_grad=True)
+    seq = torch.nn.Sequential(torch.nn.Linear(96, 384), torch.nn.GELU(), torch.nn.Linear(384, 96)).cuda()
+    mlp = aknn.FusedMLP(96, 384, activation="gelu").cuda()
+    hidden = 4096 * 384 * 2
+    assert saved_bytes(seq, x) >= 2 * hidden
+    assert saved_bytes(mlp, x) < 2 * hidden
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_convert_hf_models_train_the_same(name, dtype):
+    ref = _build(name, "cuda").train()
+    model = copy.deepcopy(ref)
+    aknn.convert(model)
+    ids = torch.randint(0, 100, (4, 32), device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        assert_rel_close(model(ids).logits.float(), ref(ids).logits.float(), dtype, factor=4)
+    losses = {}
+    for tag, m in (("ref", ref), ("ak", model)):
+        torch.manual_seed(1)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+        curve = []
+        for _ in range(20):
+            with torch.autocast("cuda", dtype=dtype):
+                out = m(ids, labels=ids)
+            scaler.scale(out.loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            curve.append(out.loss.item())
+        losses[tag] = torch.tensor(curve)
+    assert losses["ak"][-1] < losses["ak"][0]  # it learns
+    assert (losses["ak"] - losses["ref"]).abs().max() < 0.05 * losses["ref"].abs().max(), losses
+
+
+@pytest.mark.gpu
+def test_modules_compile_fullgraph_and_checkpoint():
+    mlp = torch.nn.Sequential(aknn.LayerNorm(128), aknn.FusedMLP(128, 512)).cuda()
+    x = torch.randn(256, 128, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = mlp(x)
+        compiled = torch.compile(mlp, fullgraph=True)(x)
+        ckpt = torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False)
+    assert_rel_close(compiled.float(), eager.float(), torch.bfloat16)
+    assert_rel_close(ckpt.float(), eager.float(), torch.bfloat16)
+    ckpt.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
