@@ -144,8 +144,19 @@ def _shape_bucket(m, n, k):
 
 def auto_preference(device, dtype, activation, m, n, k):
     """Backends "auto" tries for this call, fastest first (measured where _AUTO_TABLE has it)."""
+    return _preference(device, dtype, activation, _shape_bucket(m, n, k))
+
+
+def _preference(device, dtype, activation, bucket):
     cc = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
-    return _AUTO_TABLE.get((cc, dtype, activation, _shape_bucket(m, n, k)), _AUTO_DEFAULT)
+    return _AUTO_TABLE.get((cc, dtype, activation, bucket), _AUTO_DEFAULT)
+
+
+@torch.compiler.assume_constant_result
+def _choose(backend, device, dtype, activation, bucket, unsupported):
+    # A host-side decision (environment, availability probes, the table): under torch.compile
+    # it runs once at trace time and the name is baked into the graph, never traced.
+    return backends.select("linear_act", backend, device, _preference(device, dtype, activation, bucket), unsupported)
 
 
 # ---------------------------------------------------------------- functional API
@@ -190,8 +201,7 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     unsupported = None
     if x.dtype not in _KERNEL_DTYPES:
         unsupported = f"dtype {x.dtype} is not float16/bfloat16"
-    name = backends.select("linear_act", backend, x.device, auto_preference(x.device, x.dtype, activation, m, n, k),
-                           unsupported)
+    name = _choose(backend, x.device, x.dtype, activation, _shape_bucket(m, n, k), unsupported)
     x2, weight = x2.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, weight, bias))

@@ -1,0 +1,498 @@
+"""linear_act: y = act(x @ W^T + b), every backend against float64 math.
+
+CPU tier: the reference, the torch backend, the Triton kernels under TRITON_INTERPRET=1
+(fp16: bf16 is broken in the interpreter), what backward saves, dispatch rules and errors,
+opcheck, torch.compile(fullgraph) and the compiled extension's schemas.
+GPU tier (`pytest -m gpu`): cuda (cuBLASLt fused and its fallback), triton and torch backends
+for every activation x dtype x bias, odd shapes, autocast + GradScaler, compile, opcheck,
+CUDA-graph capture.
+
+Tolerances: outputs within TOL (fp16 1e-3, bf16 8e-3 relative Frobenius error vs float64).
+Gradients get factor 2: dz = dy * act'(pre) is rounded to the compute dtype before the two
+K- and M-long GEMMs, so they carry one extra rounding of the hidden tensor.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkernels
+from ampkernels import _extension, backends, reference
+from ampkernels.ops import linear_act as la
+from tests.utils import assert_rel_close, poison_, randn
+
+ACTS = reference.ACTIVATIONS
+HAS_CUDA = torch.cuda.is_available()
+GRAD_FACTOR = 2
+
+
+def _inputs(m, k, n, dtype, device, bias=True, lead=()):
+    x = randn(*lead, m, k, dtype=dtype, device=device)
+    w = randn(n, k, dtype=dtype, device=device, scale=1 / math.sqrt(k))  # pre-activation ~ N(0, 1)
+    b = randn(n, dtype=dtype, device=device, scale=0.5) if bias else None
+    return x, w, b
+
+
+def _check(x, w, b, activation, backend, factor=1.0, **kw):
+    """Forward and dx/dW/db of ampkernels.linear_act against float64 autograd."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    b = None if b is None else b.detach().requires_grad_()
+    y = ampkernels.linear_act(x, w, b, activation, backend=backend, **kw)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.shape[0])
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    y64 = reference.linear_act(x64, w64, b64, activation)
+    assert_rel_close(y, y64, x.dtype, factor=factor, what=f"{backend} {activation} y")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y64.backward(dy.double())
+    for name, got, want in (("dx", x.grad, x64.grad), ("dW", w.grad, w64.grad),
+                            ("db", None if b is None else b.grad, None if b is None else b64.grad)):
+        if want is None:
+            continue
+        assert got.dtype == x.dtype, name
+        assert_rel_close(got, want, x.dtype, factor=GRAD_FACTOR * factor, what=f"{backend} {activation} {name}")
+
+
+# ---------------------------------------------------------------- CPU tier: reference
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_reference_matches_float64_math(activation):
+    x, w, b = _inputs(9, 24, 11, torch.float32, "cpu")
+    z = x.double() @ w.double().T + b.double()
+    want = {"identity": z, "relu": z.clamp_min(0), "gelu": 0.5 * z * (1 + torch.erf(z / math.sqrt(2))),
+            "gelu_tanh": 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3))),
+            "silu": z * torch.sigmoid(z), "squared_relu": z.clamp_min(0) ** 2}[activation]
+    got = reference.linear_act(x, w, b, activation)
+    assert got.dtype == torch.float32
+    assert_rel_close(got, want, torch.float32, factor=10)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_act_grad_matches_autograd(activation):
+    z = torch.randn(200, dtype=torch.float64, requires_grad=True)
+    reference.act_fwd(z, activation).sum().backward()
+    assert_rel_close(reference.act_grad(z.detach(), activation), z.grad, torch.float64)
+
+
+# ---------------------------------------------------------------- CPU tier: torch backend
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("activation", ACTS)
+def test_torch_backend_fp32(activation, bias):
+    _check(*_inputs(13, 24, 10, torch.float32, "cpu", bias), activation, "torch", factor=5)
+
+
+def test_fp32_without_autocast_takes_the_torch_path():
+    x, w, b = _inputs(4, 16, 8, torch.float32, "cpu")
+    assert backends.select("linear_act", None, x.device, ("cuda", "triton"), "dtype float32") == "torch"
+    assert_rel_close(ampkernels.linear_act(x, w, b, "silu"), F.silu(F.linear(x, w, b)), torch.float32)
+
+
+def test_cpu_autocast_casts_like_f_linear():
+    x, w, b = _inputs(6, 32, 16, torch.float32, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ampkernels.linear_act(x, w, b, "gelu")
+        want = F.linear(x, w, b)
+    assert y.dtype == want.dtype == torch.bfloat16
+    assert_rel_close(y, F.gelu(want.float()), torch.bfloat16)
+
+
+# ---------------------------------------------------------------- CPU tier: Triton (interpreter)
+
+needs_triton = pytest.mark.skipif(not backends._available("triton")[0], reason="triton unavailable")
+
+
+@needs_triton
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("activation", ACTS)
+def test_triton_fp16(activation, bias):
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers triton on CUDA tensors")
+    _check(*_inputs(37, 48, 40, torch.float16, "cpu", bias), activation, "triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(1, 16, 8), (5, 13, 7), (33, 70, 9)])
+def test_triton_odd_shapes(shape):
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers triton on CUDA tensors")
+    m, k, n = shape
+    _check(*_inputs(m, k, n, torch.float16, "cpu"), "gelu", "triton")
+
+
+@needs_triton
+def test_triton_3d_input_and_store_pre():
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers triton on CUDA tensors")
+    x, w, b = _inputs(5, 32, 24, torch.float16, "cpu", lead=(3,))
+    _check(x, w, b, "silu", "triton")
+    y, pre = torch.ops.ampkernels.linear_act_fwd(x.reshape(-1, 32), w, b, "silu", True, "triton")
+    z = reference.linear_act(x.reshape(-1, 32), w, b, "identity")
+    assert_rel_close(pre, z, torch.float16, what="pre")
+    assert_rel_close(y, F.silu(pre.float()), torch.float16, what="y = act(pre)")
+
+
+@needs_triton
+@pytest.mark.parametrize("activation", ACTS)
+def test_triton_dz_kernel(activation):
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers triton on CUDA tensors")
+    from ampkernels.triton import linear_act as tk
+    dy, pre = randn(45, 70, dtype=torch.float16), randn(45, 70, dtype=torch.float16, scale=2)
+    dz, db = tk.linear_act_dz(dy, pre, reference.activation_id(activation), True)
+    want = dy.double() * reference.act_grad(pre.double(), activation)
+    assert_rel_close(dz, want, torch.float16)
+    assert db.dtype == torch.float32
+    assert_rel_close(db, dz.double().sum(0), torch.float32)
+
+
+# ---------------------------------------------------------------- CPU tier: what backward keeps
+
+def _saved_hidden(backend, activation, recompute, device="cpu", dtype=torch.float32):
+    """Tensors of the hidden shape (M, N) that autograd keeps for backward."""
+    m, n = 12, 40
+    x, w, b = _inputs(m, 16, n, dtype, device)
+    x.requires_grad_()
+    w.requires_grad_()
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = ampkernels.linear_act(x, w, b, activation, backend=backend, recompute=recompute)
+    y.sum().backward()
+    return [t for t in kept if tuple(t.shape) == (m, n)], y
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_backward_saves_one_hidden_tensor(activation):
+    hidden, y = _saved_hidden("torch", activation, recompute=False)
+    assert len(hidden) == (0 if activation == "identity" else 1)
+    if activation == "relu":  # relu keeps its output: y > 0 exactly where pre > 0
+        assert hidden[0].data_ptr() == y.data_ptr()
+    hidden, _ = _saved_hidden("torch", activation, recompute=True)
+    assert hidden == []
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "squared_relu"])
+def test_recompute_gives_the_same_grads(activation):
+    x, w, b = _inputs(10, 24, 16, torch.float32, "cpu")
+    grads = []
+    for recompute in (False, True):
+        xs, ws, bs = (t.detach().requires_grad_() for t in (x, w, b))
+        ampkernels.linear_act(xs, ws, bs, activation, backend="torch", recompute=recompute).sum().backward()
+        grads.append((xs.grad, ws.grad, bs.grad))
+    for g0, g1 in zip(*grads):
+        assert torch.equal(g0, g1)
+
+
+def test_no_grad_builds_no_graph():
+    x, w, b = _inputs(4, 16, 8, torch.float32, "cpu")
+    w.requires_grad_()
+    with torch.no_grad():
+        y = ampkernels.linear_act(x, w, b, "gelu")
+    assert y.grad_fn is None and not y.requires_grad
+
+
+# ---------------------------------------------------------------- CPU tier: bad input
+
+def test_bad_inputs_are_clear_errors():
+    x, w, b = _inputs(4, 16, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"x's last dim must equal weight's K = 16"):
+        ampkernels.linear_act(randn(4, 15), w, b)
+    with pytest.raises(ValueError, match=r"weight must be 2-D"):
+        ampkernels.linear_act(x, w[0], b)
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
+        ampkernels.linear_act(x, w, randn(7))
+    with pytest.raises(TypeError, match=r"must share a dtype .* x torch.float16, weight torch.float32"):
+        ampkernels.linear_act(x.half(), w, None)
+    with pytest.raises(ValueError, match=r"activation must be one of .* got 'gelu_erf'"):
+        ampkernels.linear_act(x, w, b, "gelu_erf")
+    with pytest.raises(ValueError, match=r"weight is on meta but x is on cpu"):
+        ampkernels.linear_act(x, w.to("meta"), b)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ampkernels.linear_act(x, w, b, backend="cublas")
+    with pytest.raises(TypeError, match="x must be a Tensor"):
+        ampkernels.linear_act(x.tolist(), w, b)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU-only behaviour")
+def test_explicit_cuda_on_cpu_is_a_clear_error():
+    x, w, b = _inputs(4, 16, 8, torch.float16, "cpu")
+    with pytest.raises(RuntimeError, match=r"ampkernels.linear_act: backend 'cuda'"):
+        ampkernels.linear_act(x, w, b, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if not HAS_CUDA else []))
+def test_empty_batch(backend):
+    dtype = torch.float32 if backend == "torch" else torch.float16
+    x, w, b = _inputs(0, 16, 8, dtype, "cpu", lead=(2,))
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    y = ampkernels.linear_act(x, w, b, "gelu", backend=backend)
+    assert y.shape == (2, 0, 8)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_non_contiguous_and_offset_inputs_torch_path():
+    base = randn(9 * 33 + 1)
+    x = base[1:].view(9, 33)[:, 1:]  # storage offset and a row stride != K
+    w = randn(40, 64)[:, ::2]
+    _check(x, w, randn(40), "gelu_tanh", "torch", factor=5)
+
+
+# ---------------------------------------------------------------- CPU tier: dispatch
+
+def test_auto_default_preference_and_table(monkeypatch):
+    dev = torch.device("cpu")
+    assert la.auto_preference(dev, torch.float16, "gelu", 8192, 4096, 1024) == la._AUTO_DEFAULT
+    monkeypatch.setitem(la._AUTO_TABLE, (0, torch.float16, "gelu", "large"), ("triton", "cuda"))
+    assert la.auto_preference(dev, torch.float16, "gelu", 8192, 4096, 1024) == ("triton", "cuda")
+    assert la.auto_preference(dev, torch.float16, "gelu", 8, 8, 8) == la._AUTO_DEFAULT
+
+
+def test_auto_on_cpu_runs_torch(monkeypatch):
+    seen = []
+    real = backends.select
+    monkeypatch.setattr(backends, "select", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    x, w, b = _inputs(4, 16, 8, torch.float16, "cpu")
+    ampkernels.linear_act(x, w, b, "relu")
+    assert seen == ["torch"]
+
+
+# ---------------------------------------------------------------- CPU tier: opcheck, compile, extension
+
+def _opcheck(backend, dtype, device):
+    x, w, b = _inputs(8, 32, 16, dtype, device)
+    fwd, bwd = torch.ops.ampkernels.linear_act_fwd.default, torch.ops.ampkernels.linear_act_bwd.default
+    torch.library.opcheck(fwd, (x, w, b, "gelu", True, backend))
+    torch.library.opcheck(fwd, (x, w, None, "relu", False, backend))
+    dy, pre = torch.randn(8, 16, dtype=dtype, device=device), randn(8, 16, dtype=dtype, device=device)
+    torch.library.opcheck(bwd, (dy, x, w, pre, "gelu", True, True, True, backend))
+    torch.library.opcheck(bwd, (dy, x, w, None, "identity", False, True, False, backend))
+
+
+def test_opcheck_cpu_torch():
+    _opcheck("torch", torch.float32, "cpu")
+
+
+@needs_triton
+def test_opcheck_cpu_triton_interpret():
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers triton on CUDA tensors")
+    _opcheck("triton", torch.float16, "cpu")
+
+
+@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if not HAS_CUDA else []))
+def test_compile_fullgraph_cpu(backend):
+    dtype = torch.float32 if backend == "torch" else torch.float16
+    x, w, b = _inputs(6, 32, 16, dtype, "cpu", lead=(2,))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, b: ampkernels.linear_act(x, w, b, "silu", backend=backend), fullgraph=True,
+                       backend="aot_eager")
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    y = fn(x, w, b)
+    assert_rel_close(y, reference.linear_act(x.detach().double(), w.detach().double(), b.detach().double(), "silu"),
+                     dtype, factor=5)
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None and b.grad is not None
+
+
+needs_ext = pytest.mark.skipif(not _extension.load(), reason=f"extension not built: {_extension.status()[1]}")
+
+
+@needs_ext
+@pytest.mark.parametrize("name", ["linear_act_fwd_cuda", "linear_act_bwd_cuda", "linear_act_lt_plans_cuda"])
+def test_extension_schemas(name):
+    assert getattr(torch.ops.ampkernels, name).default._schema.name == f"ampkernels::{name}"
+
+
+@needs_ext
+def test_extension_cpu_tensor_is_a_clear_error():
+    x, w, b = _inputs(4, 16, 8, torch.float16, "cpu")
+    with pytest.raises(RuntimeError, match="linear_act_fwd_cuda: x must be a CUDA tensor, got a tensor on cpu"):
+        torch.ops.ampkernels.linear_act_fwd_cuda(x, w, b, 2, False, True)
+    with pytest.raises(RuntimeError, match="linear_act_bwd_cuda: x must be a CUDA tensor"):
+        torch.ops.ampkernels.linear_act_bwd_cuda(x @ w.T, x, w, x @ w.T, 2, True, True, True, True)
+
+
+# ---------------------------------------------------------------- GPU tier
+
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+GPU_BACKENDS = ["cuda", "triton", "torch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("activation", ACTS)
+def test_gpu_backends_match_float64(backend, dtype, activation):
+    _check(*_inputs(300, 256, 384, dtype, "cuda", True), activation, backend)
+    _check(*_inputs(300, 256, 384, dtype, "cuda", False), activation, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("activation", ACTS)
+def test_gpu_cuda_fused_and_fallback_paths_agree(dtype, activation):
+    x, w, b = _inputs(256, 512, 768, dtype, "cuda")
+    ref = reference.linear_act(x.double(), w.double(), b.double(), activation)
+    aid = reference.activation_id(activation)
+    for store_pre in (False, True):
+        for fuse in (True, False):
+            y, pre = torch.ops.ampkernels.linear_act_fwd_cuda(x, w, b, aid, store_pre, fuse)
+            assert_rel_close(y, ref, dtype, what=f"y fuse={fuse} store_pre={store_pre}")
+            if store_pre:
+                assert_rel_close(pre, reference.linear_act(x.double(), w.double(), b.double(), "identity"), dtype)
+    dy, saved = torch.randn_like(ref, dtype=dtype), (x @ w.T + b)
+    if activation == "relu":
+        saved = torch.relu(saved)
+    outs = [torch.ops.ampkernels.linear_act_bwd_cuda(dy, x, w, saved, aid, True, True, True, fuse)
+            for fuse in (True, False)]
+    for a, c, name in zip(*outs, ("dx", "dW", "db")):
+        assert_rel_close(a, c.double(), dtype, factor=GRAD_FACTOR, what=f"{name} fused vs fallback")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("shape", [(1, 64, 128), (7, 13, 7), (33, 72, 40), (65, 8, 24)])
+def test_gpu_odd_shapes(backend, shape):
+    m, k, n = shape
+    for activation in ("gelu_tanh", "relu", "silu"):
+        _check(*_inputs(m, k, n, torch.float16, "cuda"), activation, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_3d_strided_and_offset_inputs(backend):
+    x, w, b = _inputs(17, 64, 96, torch.bfloat16, "cuda", lead=(3,))
+    _check(x, w, b, "gelu_tanh", backend)
+    big = randn(40, 130, dtype=torch.float16, device="cuda")
+    _check(big[:, 1:129:2], randn(48, 64, dtype=torch.float16, device="cuda", scale=0.125), None, "gelu", backend)
+    base = randn(64 * 128 + 1, dtype=torch.float16, device="cuda")
+    x_off = base[1:].view(64, 128)  # 2-byte storage offset: misaligned for 16-byte vector loads
+    wbase = randn(96 * 128 + 3, dtype=torch.float16, device="cuda", scale=1 / math.sqrt(128))
+    _check(x_off, wbase[3:].view(96, 128), randn(96, dtype=torch.float16, device="cuda"), "gelu_tanh", backend)
+    _check(x_off, wbase[3:].view(96, 128), None, "relu", backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_empty_batch(backend):
+    x, w, b = (t.requires_grad_() for t in _inputs(0, 64, 32, torch.float16, "cuda"))
+    y = ampkernels.linear_act(x, w, b, "gelu", backend=backend)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_autocast_fp32_params_and_grad_scaler(backend, dtype):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 512, device="cuda")
+    x = torch.randn(64, 256, device="cuda")
+    ref_lin = torch.nn.Linear(256, 512, device="cuda")
+    ref_lin.load_state_dict(lin.state_dict())
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        y = ampkernels.linear_act(x, lin.weight, lin.bias, "gelu_tanh", backend=backend)
+        y_ref = F.gelu(ref_lin(x), approximate="tanh")
+    assert y.dtype == y_ref.dtype == dtype
+    assert_rel_close(y, y_ref.double(), dtype, factor=2)
+    scaler.scale(y.float().square().mean()).backward()
+    y_ref.float().square().mean().backward()
+    assert lin.weight.grad.dtype == torch.float32 and lin.bias.grad.dtype == torch.float32
+    scaler.unscale_(opt)
+    assert_rel_close(lin.weight.grad, ref_lin.weight.grad.double(), dtype, factor=4)
+    assert_rel_close(lin.bias.grad, ref_lin.bias.grad.double(), dtype, factor=4)
+    before = lin.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(before, lin.weight) and torch.isfinite(lin.weight).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_compile_fullgraph(backend):
+    x, w, b = (t.requires_grad_() for t in _inputs(128, 256, 512, torch.bfloat16, "cuda"))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, b: ampkernels.linear_act(x, w, b, "gelu", backend=backend) * 2, fullgraph=True)
+    y = fn(x, w, b)
+    assert_rel_close(y, 2 * reference.linear_act(x.detach().double(), w.detach().double(), b.detach().double(),
+                                                 "gelu"), torch.bfloat16)
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None and b.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_opcheck(backend):
+    _opcheck(backend, torch.float16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_cuda_graph_capture(backend):
+    x, w, b = _inputs(256, 512, 1024, torch.float16, "cuda")
+    w.requires_grad_()
+    dy = torch.randn(256, 1024, dtype=torch.float16, device="cuda")
+
+    def step():
+        w.grad = None
+        y = ampkernels.linear_act(x, w, b, "gelu_tanh", backend=backend)
+        y.backward(dy)
+        return y
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # warm up: autotuning, plan caches, allocator
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    w.grad = None
+    with torch.cuda.graph(g):
+        y = ampkernels.linear_act(x, w, b, "gelu_tanh", backend=backend)
+        y.backward(dy)
+    poison_(y)
+    x.copy_(randn(256, 512, dtype=torch.float16, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_rel_close(y, reference.linear_act(x.double(), w.detach().double(), b.double(), "gelu_tanh"), torch.float16)
+    assert torch.isfinite(w.grad).all()
+
+
+@pytest.mark.gpu
+def test_gpu_lt_plans_are_cached():
+    x, w, b = _inputs(512, 256, 384, torch.float16, "cuda")
+    ampkernels.linear_act(x, w, b, "gelu_tanh", backend="cuda")
+    n = torch.ops.ampkernels.linear_act_lt_plans_cuda()
+    for _ in range(3):
+        ampkernels.linear_act(x, w, b, "gelu_tanh", backend="cuda")
+    assert torch.ops.ampkernels.linear_act_lt_plans_cuda() == n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "relu", "silu", "identity"])
+def test_gpu_saved_memory_and_recompute(backend, activation):
+    hidden, _ = _saved_hidden(backend, activation, recompute=False, device="cuda", dtype=torch.float16)
+    assert len(hidden) == (0 if activation == "identity" else 1)
+    assert all(t.dtype == torch.float16 for t in hidden)
+    hidden, _ = _saved_hidden(backend, activation, recompute=True, device="cuda", dtype=torch.float16)
+    assert hidden == []
+    _check(*_inputs(64, 128, 256, torch.float16, "cuda"), activation, backend, recompute=True)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_never_errors_and_uses_a_kernel():
+    x, w, b = _inputs(256, 512, 1024, torch.bfloat16, "cuda")
+    for activation in ACTS:
+        _check(x, w, b, activation, None)
