@@ -5,8 +5,9 @@ pre-activation (compute dtype). The post-activation h is produced in forward for
 second GEMM and dropped; backward recomputes it from the pre-activation with one
 elementwise pass. Eager Linear -> act -> Linear keeps both (two hidden-sized tensors).
 
-Backends: "cuda" (the bias_act kernel around cuBLAS GEMMs), "triton"/"torch" use the
-same structure with their own elementwise path. Pieces in data order: custom ops
+Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
+storing the pre-activation, then a cuBLAS GEMM + bias. Backward: cuBLAS GEMMs around the
+bias_act kernels (recompute h; dpre = dh * act'(pre) with dbias in fp32). Pieces in data order: custom ops
 (forward, backward) with fakes -> autograd Function -> functional API.
 """
 from typing import Optional
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from .. import backends, reference
 from .bias_act import bias_act_bwd, bias_act_fwd
+from .linear_act import linear_act_fwd
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -29,8 +31,8 @@ def _elementwise_backend(backend):
 def fused_mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
                   backend: str) -> tuple[Tensor, Tensor]:
     """(out, pre) for 2-D x; pre = x @ w1.T + b1 in x.dtype."""
-    pre = F.linear(x, w1, b1)  # cuBLAS with the bias in its epilogue
-    h, _ = bias_act_fwd(pre, None, activation, False, _elementwise_backend(backend))
+    # first GEMM with bias + activation in its epilogue, also storing the pre-activation
+    h, pre = linear_act_fwd(x, w1, b1, activation, True, backend)
     return F.linear(h, w2, b2), pre
 
 

@@ -1,0 +1,115 @@
+"""The pre-LN transformer MLP block trained under AMP (DESIGN.md's end-to-end target):
+y = x + MLP(LayerNorm(x)), loss = mean(y^2), x fp32 (the residual stream), one training
+step = forward + backward. Same block as ../shared/baselines/baseline.py "block".
+
+Providers: fp32 eager, AMP fp16/bf16 eager, AMP fp16 torch.compile, and ampkernels under
+AMP: the eager block after nn.convert() (LayerNorm + fused Linear/GELU), and LayerNorm +
+nn.FusedMLP (one hidden-sized tensor saved). Rows: ms per step, peak extra memory (MiB
+above the inputs and weights), tokens/s.
+"""
+import argparse
+import copy
+import sys
+
+import torch
+
+from .common import Recorder, bench, guard
+
+SHAPES = [(16384, 1024), (8192, 4096)]
+
+
+def _eager_block(hidden):
+    return torch.nn.Sequential(torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, 4 * hidden),
+                               torch.nn.GELU(approximate="tanh"), torch.nn.Linear(4 * hidden, hidden))
+
+
+def _providers(hidden):
+    import ampkernels.nn as aknn
+
+    torch.manual_seed(0)
+    eager = _eager_block(hidden).cuda()
+    converted = copy.deepcopy(eager)
+    aknn.convert(converted)
+    fused = torch.nn.Sequential(aknn.LayerNorm(hidden), aknn.FusedMLP(hidden, 4 * hidden, activation="gelu_tanh"))
+    fused.load_state_dict(_fused_keys(eager.state_dict()))
+    fused.cuda()
+    return [("fp32", eager, None), ("amp_fp16", eager, torch.float16), ("amp_bf16", eager, torch.bfloat16),
+            ("amp_fp16_compile", "compile", torch.float16),
+            ("ampkernels_convert_fp16", converted, torch.float16),
+            ("ampkernels_convert_bf16", converted, torch.bfloat16),
+            ("ampkernels_fusedmlp_fp16", fused, torch.float16),
+            ("ampkernels_fusedmlp_bf16", fused, torch.bfloat16)], eager
+
+
+def _fused_keys(sd):
+    # Sequential(LN, Lin, act, Lin) -> Sequential(LN, FusedMLP(Lin, act, Lin))
+    return {("0." + k[2:]) if k.startswith("0.") else f"1.{int(k[0]) - 1}.{k[2:]}": v for k, v in sd.items()}
+
+
+def run(recorder, dtypes, quick):
+    shapes = SHAPES[:1] if quick else SHAPES
+    for tokens, hidden in shapes:
+        providers, eager = _providers(hidden)
+        for name, block, dtype in providers:
+            if dtype is not None and dtype not in dtypes and "fp32" not in name:
+                continue
+
+            def measure():
+                if block == "compile":
+                    torch._dynamo.reset()
+                    f = torch.compile(copy.deepcopy(eager))
+                else:
+                    f = block
+                x = torch.randn(tokens, hidden, device="cuda", requires_grad=True)
+
+                def step():
+                    with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+                        y = x + f(x)
+                    y.float().square().mean().backward()
+
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                ms, p20, p80 = bench(step, rep=200 if not quick else 50)
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                recorder.add(op="mlp_block", provider=name, **{"pass": "train_step"}, dtype=str(dtype or "fp32"),
+                             shape=f"T={tokens},H={hidden}", T=tokens, H=hidden, metric="ms", value=round(ms, 4),
+                             ms=ms, ms_p20=p20, ms_p80=p80, peak_extra_MiB=round(peak, 1),
+                             tokens_per_s=round(tokens / ms * 1e3))
+
+            guard(recorder, f"mlp_block {name} T={tokens} H={hidden}", measure)
+            torch.cuda.empty_cache()
+
+
+def report(rows):
+    lines = []
+    by = {(r.get("provider"), r.get("T"), r.get("H")): r for r in rows if r.get("op") == "mlp_block"}
+    for (tokens, hidden), need in (((16384, 1024), 1.35), ((8192, 4096), 1.08)):
+        for dt in ("fp16", "bf16"):
+            eager = by.get((f"amp_{dt}", tokens, hidden))
+            best = min((by[k] for k in by if k[0] and k[0].startswith("ampkernels") and k[0].endswith(dt)
+                        and k[1:] == (tokens, hidden)), key=lambda r: r["ms"], default=None)
+            if not eager or not best:
+                continue
+            speedup = eager["ms"] / best["ms"]
+            lines.append(f"{'PASS' if speedup >= need else 'FALLS SHORT'}: MLP block T={tokens} H={hidden} {dt}: "
+                         f"{best['provider']} {speedup:.2f}x eager AMP (target >= {need}x)")
+            leanest = min((by[k] for k in by if k[0] and k[0].startswith("ampkernels") and k[0].endswith(dt)
+                           and k[1:] == (tokens, hidden)), key=lambda r: r["peak_extra_MiB"])
+            mem = leanest["peak_extra_MiB"] / eager["peak_extra_MiB"]
+            lines.append(f"{'PASS' if mem <= 0.75 else 'FALLS SHORT'}: MLP block T={tokens} H={hidden} {dt}: "
+                         f"{leanest['provider']} peak activation memory {mem:.0%} of eager AMP (target <= 75%)")
+    return lines
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    rec = Recorder(a.out)
+    run(rec, [torch.float16, torch.bfloat16], a.quick)
+    print("\n".join(report(rec.rows)))
+    sys.exit(0)
