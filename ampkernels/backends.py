@@ -96,12 +96,15 @@ def _can_run(name, device):
     return None
 
 
+@torch.compiler.assume_constant_result
 def select(op, backend, device, preference, unsupported=None):
     """The backend to run `op` with.
 
     preference: backends "auto" tries, fastest first (the op decides per shape and dtype).
     unsupported: why the kernels cannot take this input (e.g. a dtype), or None; then the
     torch reference runs, and an explicit kernel request is an error naming the reason.
+    A host-side decision: under torch.compile it runs once at trace time and its result
+    is a constant of the graph.
     """
     name, explicit = requested(backend)
     if name == "torch":
