@@ -114,6 +114,31 @@ def norm_forward(x, weight, bias, eps, *, residual=None, residual_in_fp32=False,
     return out, residual_sum, None if mean is None else mean.squeeze(-1), rstd.squeeze(-1)
 
 
+def norm_backward(dy, x, weight, mean, rstd, *, dresidual_out=None, is_rms=False, want_dweight=True,
+                  want_dbias=True, dx_dtype=None, param_dtype=None):
+    """The 2-D core of the norms' backward, from what the forward saved.
+
+    x: what was normalised (x, or the residual sum); mean (None for RMSNorm) and rstd per row.
+    Returns (dx in dx_dtype, dweight or None, dbias or None): fp32 math (float64 for float64),
+    dweight = sum(dy * xhat) and dbias = sum(dy) over rows, returned in param_dtype.
+    dresidual_out, the gradient of the returned residual sum, is added to dx.
+    """
+    ct = _compute_dtype(x)
+    n = x.shape[-1]
+    xs, g0 = x.to(ct), dy.to(ct)
+    r = rstd.to(ct).unsqueeze(-1)
+    xhat = xs * r if is_rms else (xs - mean.to(ct).unsqueeze(-1)) * r
+    g = g0 if weight is None else g0 * weight.to(ct)
+    c1 = (g * xhat).sum(-1, keepdim=True) / n
+    dx = (g - xhat * c1) * r if is_rms else (g - xhat * c1 - g.sum(-1, keepdim=True) / n) * r
+    if dresidual_out is not None:
+        dx = dx + dresidual_out.to(ct)
+    param_dtype = param_dtype or (weight.dtype if weight is not None else x.dtype)
+    dweight = (g0 * xhat).sum(0).to(param_dtype) if want_dweight else None
+    dbias = g0.sum(0).to(param_dtype) if want_dbias else None
+    return dx.to(dx_dtype or x.dtype), dweight, dbias
+
+
 def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms):
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if tuple(x.shape[x.dim() - len(shape):]) != shape:

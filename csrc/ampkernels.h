@@ -67,4 +67,47 @@ const char* lt_matmul(const LtGemm& gemm, void* handle, void* workspace, size_t 
 // Number of cached (descriptor, algorithm) plans, for tests.
 size_t lt_cached_plans();
 
+// ---- layer_norm / rms_norm
+// LayerNorm / RMSNorm over the last dim of contiguous (rows, cols) tensors; fp32 math. Each
+// tensor has its own dtype; nullptr means absent. mean is nullptr for RMSNorm.
+
+struct NormForwardArgs {
+  const void* x;         // (rows, cols), x_dtype
+  const void* residual;  // (rows, cols) or nullptr; normalised input is x + residual (unrounded)
+  const void* weight;    // (cols) or nullptr
+  const void* bias;      // (cols) or nullptr; same dtype as weight
+  void* out;             // (rows, cols), out_dtype
+  void* residual_out;    // (rows, cols) or nullptr: x + residual in residual_out_dtype
+  float* mean;           // (rows) or nullptr (RMSNorm)
+  float* rstd;           // (rows)
+  int64_t rows, cols;
+  float eps;
+  bool is_rms;
+  DType x_dtype, residual_dtype, param_dtype, out_dtype, residual_out_dtype;
+};
+cudaError_t norm_forward(const NormForwardArgs& args, cudaStream_t stream);
+
+struct NormBackwardArgs {
+  const void* dy;             // (rows, cols), x_dtype
+  const void* x;              // (rows, cols), x_dtype: the normalised input (x, or x + residual)
+  const void* weight;         // (cols) or nullptr
+  const float* mean;          // (rows) or nullptr (RMSNorm)
+  const float* rstd;          // (rows)
+  const void* dresidual_out;  // (rows, cols) or nullptr: the gradient of residual_out, added to dx
+  void* dx;                   // (rows, cols), dx_dtype
+  void* dresidual;            // (rows, cols) or nullptr: dx again, in dresidual_dtype
+  float* dweight_partial;     // (num_blocks, cols) or nullptr
+  float* dbias_partial;       // (num_blocks, cols) or nullptr
+  int64_t rows, cols;
+  int num_blocks;             // from norm_backward_blocks
+  bool is_rms;
+  DType x_dtype, param_dtype, dresidual_out_dtype, dx_dtype, dresidual_dtype;
+};
+// The backward's grid (rows of the partial buffers) for these args on a GPU with num_sms SMs.
+cudaError_t norm_backward_blocks(const NormBackwardArgs& args, int num_sms, int* num_blocks);
+cudaError_t norm_backward(const NormBackwardArgs& args, cudaStream_t stream);
+// dweight[c] / dbias[c] = fixed-order sums over the blocks' partial rows, in param_dtype.
+cudaError_t norm_reduce_partials(const float* dweight_partial, const float* dbias_partial, void* dweight,
+                                 void* dbias, DType param_dtype, int num_blocks, int64_t cols, cudaStream_t stream);
+
 }  // namespace ampk

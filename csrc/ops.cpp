@@ -158,6 +158,172 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
 
 // ---------------------------------------------------------------- layer_norm / rms_norm
 
+void check_row_tensor(const at::Tensor& t, const at::Tensor& x, const char* op, const char* arg) {
+  check_same_device(t, x, op, arg, "x");
+  check_contiguous(t, op, arg);
+  TORCH_CHECK(t.sizes() == x.sizes(), op, ": ", arg, " must have x's shape ", x.sizes(), ", got ", t.sizes());
+}
+
+void check_param(const at::Tensor& p, const at::Tensor& x, DType x_dtype, const char* op, const char* arg) {
+  check_same_device(p, x, op, arg, "x");
+  check_contiguous(p, op, arg);
+  TORCH_CHECK(p.dim() == 1 && p.size(0) == x.size(1), op, ": ", arg, " must have shape (", x.size(1), ",), got ",
+              p.sizes());
+  const DType t = to_dtype(p.scalar_type(), op, arg);
+  TORCH_CHECK(t == x_dtype || t == DType::kFloat32, op, ": ", arg, " must be ", x.scalar_type(),
+              " or float32, got ", p.scalar_type());
+}
+
+// (out, residual_out, mean, rstd); residual_out is empty without a residual, mean for RMSNorm.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual, double eps, bool is_rms, std::optional<at::ScalarType> out_dtype,
+    bool residual_in_fp32) {
+  constexpr const char* op = "norm_fwd_cuda";
+  check_cuda(x, op, "x");
+  check_contiguous(x, op, "x");
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (rows, cols), got shape ", x.sizes());
+  NormForwardArgs a{};
+  a.x_dtype = to_dtype(x.scalar_type(), op, "x");
+  a.param_dtype = a.x_dtype;
+  if (weight) {
+    check_param(*weight, x, a.x_dtype, op, "weight");
+    a.param_dtype = to_dtype(weight->scalar_type(), op, "weight");
+  }
+  if (bias) {
+    TORCH_CHECK(!is_rms, op, ": RMSNorm takes no bias");
+    check_param(*bias, x, a.x_dtype, op, "bias");
+    TORCH_CHECK(!weight || bias->scalar_type() == weight->scalar_type(), op, ": bias dtype ", bias->scalar_type(),
+                " must match weight dtype ", weight->scalar_type());
+    a.param_dtype = to_dtype(bias->scalar_type(), op, "bias");
+  }
+  const at::ScalarType out_t = out_dtype.value_or(x.scalar_type());
+  a.out_dtype = to_dtype(out_t, op, "out_dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  at::Tensor out = at::empty({rows, cols}, x.options().dtype(out_t));
+  at::Tensor residual_out = at::empty({0}, x.options());
+  if (residual) {
+    check_row_tensor(*residual, x, op, "residual");
+    a.residual_dtype = to_dtype(residual->scalar_type(), op, "residual");
+    residual_out = at::empty({rows, cols}, x.options().dtype(residual_in_fp32 ? at::kFloat : x.scalar_type()));
+    a.residual_out_dtype = to_dtype(residual_out.scalar_type(), op, "residual_out");
+  }
+  at::Tensor mean = at::empty({is_rms ? 0 : rows}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  a.x = x.data_ptr();
+  a.residual = residual ? residual->data_ptr() : nullptr;
+  a.weight = weight ? weight->data_ptr() : nullptr;
+  a.bias = bias ? bias->data_ptr() : nullptr;
+  a.out = out.data_ptr();
+  a.residual_out = residual ? residual_out.data_ptr() : nullptr;
+  a.mean = is_rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.rows = rows;
+  a.cols = cols;
+  a.eps = float(eps);
+  a.is_rms = is_rms;
+  AMPK_CHECK_CUDA(norm_forward(a, at::cuda::getCurrentCUDAStream()));
+  return {out, residual_out, mean, rstd};
+}
+
+// (dx, dresidual, dweight, dbias). x is what the forward normalised (x, or x + residual);
+// dresidual is empty unless dresidual_dtype differs from dx_dtype (then dx serves for both);
+// dweight/dbias (in weight's dtype) are empty unless asked for.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
+    const at::Tensor& dy_in, const at::Tensor& x_in, const std::optional<at::Tensor>& weight, const at::Tensor& mean,
+    const at::Tensor& rstd, const std::optional<at::Tensor>& dresidual_out, bool is_rms, bool want_dweight,
+    bool want_dbias, at::ScalarType dx_dtype, std::optional<at::ScalarType> dresidual_dtype,
+    std::optional<at::ScalarType> param_dtype) {
+  constexpr const char* op = "norm_bwd_cuda";
+  check_cuda(x_in, op, "x");
+  check_contiguous(x_in, op, "x");
+  TORCH_CHECK(x_in.dim() == 2, op, ": x must be 2-D (rows, cols), got shape ", x_in.sizes());
+  check_row_tensor(dy_in, x_in, op, "dy");
+  to_dtype(x_in.scalar_type(), op, "x");
+  to_dtype(dy_in.scalar_type(), op, "dy");
+  const int64_t rows = x_in.size(0), cols = x_in.size(1);
+  check_same_device(rstd, x_in, op, "rstd", "x");
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == rows, op,
+              ": rstd must be contiguous float32 of ", rows, " elements");
+  if (!is_rms) {
+    check_same_device(mean, x_in, op, "mean", "x");
+    TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == rows, op,
+                ": mean must be contiguous float32 of ", rows, " elements");
+  }
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  // The kernel reads x and dy in one dtype: upcast the 16-bit one when they differ (exact).
+  at::Tensor x = x_in, dy = dy_in;
+  if (x.scalar_type() != dy.scalar_type()) {
+    if (x.scalar_type() == at::kFloat) dy = dy.to(at::kFloat);
+    else if (dy.scalar_type() == at::kFloat) x = x.to(at::kFloat);
+    else { x = x.to(at::kFloat); dy = dy.to(at::kFloat); }
+  }
+  NormBackwardArgs a{};
+  a.x_dtype = to_dtype(x.scalar_type(), op, "x");
+  a.param_dtype = a.x_dtype;
+  if (weight) {
+    check_param(*weight, x_in, to_dtype(x_in.scalar_type(), op, "x"), op, "weight");
+    a.param_dtype = to_dtype(weight->scalar_type(), op, "weight");
+  }
+  const at::ScalarType grad_param_t = param_dtype.value_or(weight ? weight->scalar_type() : x_in.scalar_type());
+  const DType grad_param_dtype = to_dtype(grad_param_t, op, "param_dtype");
+  if (dresidual_out) {
+    check_row_tensor(*dresidual_out, x_in, op, "dresidual_out");
+    a.dresidual_out_dtype = to_dtype(dresidual_out->scalar_type(), op, "dresidual_out");
+  }
+  a.dx_dtype = to_dtype(dx_dtype, op, "dx_dtype");
+  at::Tensor dx = at::empty({rows, cols}, x.options().dtype(dx_dtype));
+  at::Tensor dres = at::empty({0}, x.options());
+  if (dresidual_dtype && *dresidual_dtype != dx_dtype) {
+    a.dresidual_dtype = to_dtype(*dresidual_dtype, op, "dresidual_dtype");
+    dres = at::empty({rows, cols}, x.options().dtype(*dresidual_dtype));
+  }
+  a.dy = dy.data_ptr();
+  a.x = x.data_ptr();
+  a.weight = weight ? weight->data_ptr() : nullptr;
+  a.mean = is_rms ? nullptr : mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.dresidual_out = dresidual_out ? dresidual_out->data_ptr() : nullptr;
+  a.dx = dx.data_ptr();
+  a.dresidual = dres.numel() ? dres.data_ptr() : nullptr;
+  a.rows = rows;
+  a.cols = cols;
+  a.is_rms = is_rms;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AMPK_CHECK_CUDA(norm_backward_blocks(a, num_sms(), &a.num_blocks));
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor dw_partial = at::empty({want_dweight ? a.num_blocks : 0, cols}, f32);
+  at::Tensor db_partial = at::empty({want_dbias ? a.num_blocks : 0, cols}, f32);
+  a.dweight_partial = want_dweight ? dw_partial.data_ptr<float>() : nullptr;
+  a.dbias_partial = want_dbias ? db_partial.data_ptr<float>() : nullptr;
+  at::Tensor dweight = at::empty({want_dweight ? cols : 0}, x.options().dtype(grad_param_t));
+  at::Tensor dbias = at::empty({want_dbias ? cols : 0}, x.options().dtype(grad_param_t));
+  AMPK_CHECK_CUDA(norm_backward(a, stream));
+  if (rows == 0) {  // no rows: the grads of the params are sums over nothing
+    dweight.zero_();
+    dbias.zero_();
+  } else {
+    AMPK_CHECK_CUDA(norm_reduce_partials(a.dweight_partial, a.dbias_partial,
+                                         want_dweight ? dweight.data_ptr() : nullptr,
+                                         want_dbias ? dbias.data_ptr() : nullptr, grad_param_dtype, a.num_blocks,
+                                         cols, stream));
+  }
+  return {dx, dres, dweight, dbias};
+}
+
+TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
+  m.def("norm_fwd_cuda(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool is_rms, "
+        "ScalarType? out_dtype, bool residual_in_fp32) -> (Tensor out, Tensor residual_out, Tensor mean, Tensor rstd)");
+  m.def("norm_bwd_cuda(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor? dresidual_out, "
+        "bool is_rms, bool want_dweight, bool want_dbias, ScalarType dx_dtype, ScalarType? dresidual_dtype, "
+        "ScalarType? param_dtype) -> (Tensor dx, Tensor dresidual, Tensor dweight, Tensor dbias)");
+}
+TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
+  m.impl("norm_fwd_cuda", &norm_fwd);
+  m.impl("norm_bwd_cuda", &norm_bwd);
+}
+
 // ---------------------------------------------------------------- linear_act
 //
 // y = act(x @ W^T + b), x (M, K), W (N, K), y (M, N), all row-major. cuBLASLt is

@@ -1,0 +1,224 @@
+"""layer_norm and rms_norm: FP32-accumulating LayerNorm / RMSNorm, forward and backward.
+
+One implementation serves both norms (is_rms: no mean, no bias). Backends: "cuda"
+(csrc/layer_norm.cu through torch.ops.ampkernels.norm_{fwd,bwd}_cuda), "triton"
+(ampkernels/triton/layer_norm.py) and "torch" (ampkernels/reference.py).
+
+Contract (../shared/DESIGN.md): statistics and normalisation in fp32; mean/rstd saved in
+fp32; output in x.dtype unless out_dtype says otherwise; weight/bias in x.dtype or fp32 (the
+AMP case), their grads accumulated in fp32 with a fixed-order reduction (bitwise repeatable)
+and returned in their own dtype; with a residual, the unrounded sum x + residual is
+normalised and returned too (fp32 if residual_in_fp32 else x.dtype), and gradients flow to
+both inputs. Under autocast the op keeps the activation dtype (custom_fwd, no cast).
+
+Pieces, in the order data meets them: custom ops (forward, backward) with fake
+implementations -> autograd Function (custom_fwd/custom_bwd) -> functional API.
+"""
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import backends, reference
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton():
+    from ..triton import layer_norm as triton_layer_norm  # imported on first use: triton is optional
+    return triton_layer_norm
+
+
+def _stat_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32  # float64: reference only
+
+
+@torch.library.custom_op("ampkernels::norm_fwd", mutates_args=())
+def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+             is_rms: bool, out_dtype: Optional[torch.dtype], residual_in_fp32: bool,
+             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, residual_out, mean, rstd) for a 2-D contiguous x; absent outputs are empty."""
+    if backend == "cuda":
+        return torch.ops.ampkernels.norm_fwd_cuda(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32)
+    if backend == "triton":
+        return _triton().norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32)
+    out, res_out, mean, rstd = reference.norm_forward(x, weight, bias, eps, residual=residual,
+                                                      residual_in_fp32=residual_in_fp32, out_dtype=out_dtype,
+                                                      is_rms=is_rms)
+    empty = x.new_empty(0, dtype=_stat_dtype(x))
+    return (out, x.new_empty(0) if res_out is None else res_out, empty if mean is None else mean.contiguous(),
+            rstd.contiguous())
+
+
+@norm_fwd.register_fake
+def _(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend):
+    rows = x.shape[0]
+    stat = _stat_dtype(x)
+    if residual is None:
+        res_out = x.new_empty(0)
+    else:
+        res_out = x.new_empty(x.shape, dtype=torch.float32 if residual_in_fp32 and stat == torch.float32 else x.dtype)
+    return (x.new_empty(x.shape, dtype=out_dtype or x.dtype), res_out, x.new_empty(0 if is_rms else rows, dtype=stat),
+            x.new_empty(rows, dtype=stat))
+
+
+@torch.library.custom_op("ampkernels::norm_bwd", mutates_args=())
+def norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
+             dresidual_out: Optional[Tensor], is_rms: bool, want_dweight: bool, want_dbias: bool,
+             dx_dtype: torch.dtype, dresidual_dtype: Optional[torch.dtype], param_dtype: Optional[torch.dtype],
+             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dresidual, dweight, dbias). x is what the forward normalised (x or the residual
+    sum). dresidual is empty unless its dtype differs from dx's (then dx serves for both);
+    dweight/dbias are empty unless asked for."""
+    if backend == "cuda":
+        return torch.ops.ampkernels.norm_bwd_cuda(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight,
+                                                  want_dbias, dx_dtype, dresidual_dtype, param_dtype)
+    if backend == "triton":
+        return _triton().norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias,
+                                  dx_dtype, dresidual_dtype, param_dtype)
+    ct = _stat_dtype(x)
+    dx, dw, db = reference.norm_backward(dy, x, weight, None if is_rms else mean, rstd, dresidual_out=dresidual_out,
+                                         is_rms=is_rms, want_dweight=want_dweight, want_dbias=want_dbias,
+                                         dx_dtype=ct, param_dtype=param_dtype)
+    dres = x.new_empty(0)
+    if dresidual_dtype is not None and dresidual_dtype != dx_dtype:
+        dres = dx.to(dresidual_dtype, copy=True)
+    pd = param_dtype or (weight.dtype if weight is not None else x.dtype)
+    return (dx.to(dx_dtype, copy=True), dres, x.new_empty(0, dtype=pd) if dw is None else dw,
+            x.new_empty(0, dtype=pd) if db is None else db)
+
+
+@norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype, dresidual_dtype,
+      param_dtype, backend):
+    n = x.shape[1]
+    pd = param_dtype or (weight.dtype if weight is not None else x.dtype)
+    dres = x.new_empty(0)
+    if dresidual_dtype is not None and dresidual_dtype != dx_dtype:
+        dres = x.new_empty(x.shape, dtype=dresidual_dtype)
+    return (x.new_empty(x.shape, dtype=dx_dtype), dres, x.new_empty(n if want_dweight else 0, dtype=pd),
+            x.new_empty(n if want_dbias else 0, dtype=pd))
+
+
+class NormFunction(torch.autograd.Function):
+    """out = norm(x [+ residual]) over the last dim of 2-D contiguous tensors; returns out, or
+    (out, residual_out) when a residual is given."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend):
+        bias_k = bias
+        if bias is not None and weight is not None and bias.dtype != weight.dtype:
+            bias_k = bias.to(weight.dtype)  # the kernels take one param dtype; dbias goes back to bias.dtype
+        out, res_out, mean, rstd = torch.ops.ampkernels.norm_fwd(x, weight, bias_k, residual, eps, is_rms, out_dtype,
+                                                                 residual_in_fp32, backend)
+        # backward re-reads what was normalised: x, or the stored residual sum
+        ctx.save_for_backward(res_out if residual is not None else x, weight, mean, rstd)
+        ctx.set_materialize_grads(False)
+        ctx.is_rms, ctx.backend, ctx.x_dtype, ctx.out_dtype = is_rms, backend, x.dtype, out.dtype
+        ctx.has_residual = residual is not None
+        ctx.residual_dtype = residual.dtype if residual is not None else None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.param_dtype = weight.dtype if weight is not None else ctx.bias_dtype
+        if residual is not None:
+            return out, res_out
+        return out
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout, dres_out=None):
+        x, weight, mean, rstd = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros(x.shape, dtype=ctx.out_dtype, device=x.device)  # only residual_out was used
+        want_dw = weight is not None and ctx.needs_input_grad[1]
+        want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        dx, dres, dw, db = torch.ops.ampkernels.norm_bwd(
+            dout.contiguous(), x, weight, mean, rstd, None if dres_out is None else dres_out.contiguous(),
+            ctx.is_rms, want_dw, want_db, ctx.x_dtype, ctx.residual_dtype, ctx.param_dtype, ctx.backend)
+        grad_res = None
+        if ctx.has_residual and ctx.needs_input_grad[3]:
+            grad_res = dres if ctx.residual_dtype != ctx.x_dtype else dx
+        return (dx if ctx.needs_input_grad[0] else None, dw if want_dw else None,
+                db.to(ctx.bias_dtype) if want_db else None, grad_res, None, None, None, None, None)
+
+
+def _preference(x, n):
+    """Backends "auto" tries, fastest first (benchmarks/bench_layer_norm.py measures both)."""
+    return ("cuda", "triton")
+
+
+def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, backend, is_rms):
+    op = "rms_norm" if is_rms else "layer_norm"
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}: x must be a Tensor, got {type(x).__name__}")
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if len(shape) == 0 or len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise ValueError(f"{op}: normalized_shape {shape} does not match the last dims of x, shape {tuple(x.shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, Tensor):
+            raise TypeError(f"{op}: {name} must be a Tensor or None, got {type(p).__name__}")
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{op}: {name} must have shape {shape} (normalized_shape), got {tuple(p.shape)}")
+        if p.device != x.device:
+            raise ValueError(f"{op}: {name} is on {p.device} but x is on {x.device}")
+    if residual is not None:
+        if not isinstance(residual, Tensor) or tuple(residual.shape) != tuple(x.shape):
+            got = tuple(residual.shape) if isinstance(residual, Tensor) else type(residual).__name__
+            raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)}, got {got}")
+        if residual.device != x.device:
+            raise ValueError(f"{op}: residual is on {residual.device} but x is on {x.device}")
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise ValueError(f"{op}: out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
+    if not x.is_floating_point():
+        raise TypeError(f"{op}: x must be a floating-point tensor, got {x.dtype}")
+    n = math.prod(shape)
+
+    unsupported = None
+    if x.dtype not in _DTYPES:
+        unsupported = f"x dtype {x.dtype} is not one of {_DTYPES}"
+    elif n == 0:
+        unsupported = "normalized_shape has no elements"
+    elif out_dtype is not None and out_dtype not in _DTYPES:
+        unsupported = f"out_dtype {out_dtype} is not one of {_DTYPES}"
+    elif residual is not None and residual.dtype not in _DTYPES:
+        unsupported = f"residual dtype {residual.dtype} is not one of {_DTYPES}"
+    else:
+        for name, p in (("weight", weight), ("bias", bias)):
+            if p is not None and p.dtype not in (x.dtype, torch.float32):
+                unsupported = f"{name} dtype {p.dtype} is neither x's ({x.dtype}) nor float32"
+    name = backends.select(op, backend, x.device, _preference(x, n), unsupported)
+
+    x2 = x.reshape(-1, n).contiguous()  # strided views are copied, never read wrongly
+    flat = lambda t: None if t is None else t.reshape(-1).contiguous()  # noqa: E731
+    res2 = None if residual is None else residual.reshape(-1, n).contiguous()
+    result = NormFunction.apply(x2, flat(weight), flat(bias), res2, float(eps), is_rms, out_dtype,
+                                bool(residual_in_fp32), name)
+    if residual is None:
+        return result.reshape(x.shape)
+    out, res_out = result
+    return out.reshape(x.shape), res_out.reshape(x.shape)
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None, residual_in_fp32=False,
+               out_dtype=None, backend=None):
+    """LayerNorm over the trailing `normalized_shape` dims of x (fp16/bf16/fp32, any leading dims).
+
+    weight/bias: shape normalized_shape, in x.dtype or float32. Statistics in fp32; output in
+    out_dtype or x.dtype. residual: same shape as x; then returns (out, x + residual), the sum in
+    float32 if residual_in_fp32 else x.dtype, and out normalises the unrounded sum.
+    backend: None/"auto" | "cuda" | "triton" | "torch" (see ampkernels.backends).
+    """
+    return _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, backend,
+                 is_rms=False)
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None, *, residual=None, residual_in_fp32=False, out_dtype=None,
+             backend=None):
+    """RMSNorm over the trailing dims: x / sqrt(mean(x^2) + eps) * weight; eps=None means
+    torch.finfo(x.dtype).eps, as torch.nn.RMSNorm. Otherwise as layer_norm (no bias)."""
+    eps = torch.finfo(x.dtype).eps if eps is None and isinstance(x, Tensor) and x.is_floating_point() else eps
+    return _norm(x, normalized_shape, weight, None, 1e-6 if eps is None else eps, residual, residual_in_fp32,
+                 out_dtype, backend, is_rms=True)

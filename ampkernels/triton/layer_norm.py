@@ -1,0 +1,325 @@
+"""LayerNorm / RMSNorm in Triton, forward and backward, fp32 math (one kernel per pass, IS_RMS
+switching off the mean and the bias).
+
+Same contract as csrc/layer_norm.cu and the launchers take the same arguments as the
+torch.ops.ampkernels.norm_{fwd,bwd}_cuda ops (ampkernels/ops/layer_norm.py calls either):
+- x (rows, N) fp16/bf16/fp32, contiguous; weight/bias (N,) in x.dtype or fp32; optional
+  residual (rows, N): the unrounded fp32 sum x + residual is normalised and stored as
+  residual_out (fp32 if residual_in_fp32 else x.dtype); out in out_dtype (default x.dtype);
+  mean (LayerNorm) and rstd saved in fp32.
+- Forward: a program owns ROWS whole rows held in registers (BLOCK_N = next_power_of_2(N)
+  up to _MAX_FWD_BLOCK); longer rows take the looped kernel (one row per program, three
+  passes over column chunks).
+- Backward: a fixed grid of programs, each owning a contiguous chunk of rows, loops over it
+  ROWS rows at a time; dx in dx_dtype; dweight = sum(dy * xhat) and dbias = sum(dy) are kept
+  in fp32 registers and written as one partial row per program; _col_sum_kernel adds the
+  partial rows in a fixed order. No atomics: bitwise repeatable for a given shape and GPU.
+"""
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_FWD_BLOCK = 16384  # elements of a row held in registers by the forward
+_MAX_BWD_BLOCK = 8192   # ... by the backward (x, dy, dweight and dbias sums live at once)
+_LOOP_BLOCK = 4096      # column chunk of the looped kernels
+
+
+@triton.jit
+def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
+                     IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        x += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(RO + offs, x.to(RO.dtype.element_ty), mask=mask)
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        tl.store(MEAN + rows, mean, mask=rmask)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y *= tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
+                            IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * N
+    cols0 = tl.arange(0, BLOCK_N)
+    mean = 0.0
+    if not IS_RMS:
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            m = cols < N
+            s = tl.load(X + base + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_R:
+                s += tl.load(R + base + cols, mask=m, other=0.0).to(tl.float32)
+            acc += s
+        mean = tl.sum(acc, axis=0) / N
+        tl.store(MEAN + row, mean)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        m = cols < N
+        s = tl.load(X + base + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_R:
+            s += tl.load(R + base + cols, mask=m, other=0.0).to(tl.float32)
+        d = tl.where(m, s - mean, 0.0)
+        acc += d * d
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+    tl.store(RSTD + row, rstd)
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        m = cols < N
+        s = tl.load(X + base + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_R:
+            s += tl.load(R + base + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(RO + base + cols, s.to(RO.dtype.element_ty), mask=m)
+        y = (s - mean) * rstd
+        if HAS_W:
+            y *= tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            y += tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + base + cols, y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, N, rows_per_prog,
+                     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DRO: tl.constexpr, HAS_DRES: tl.constexpr,
+                     WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, M)
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+    db_acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+    for r0 in range(row_start, row_end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        rmask = rows < row_end
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        if IS_RMS:
+            xhat = x * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        c1 = tl.sum(g * xhat, axis=1) / N
+        if IS_RMS:
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / N
+            dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if HAS_DRO:
+            dx += tl.load(DRO + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DRES:
+            tl.store(DRES + offs, dx.to(DRES.dtype.element_ty), mask=mask)
+        if WANT_DW:
+            dw_acc += dy * xhat
+        if WANT_DB:
+            db_acc += dy
+    if WANT_DW:
+        tl.store(DW_P + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
+    if WANT_DB:
+        tl.store(DB_P + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
+
+
+@triton.jit
+def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, N, rows_per_prog,
+                            IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DRO: tl.constexpr,
+                            HAS_DRES: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    # Rows too long for registers: two passes per row over column chunks; the program's
+    # dweight/dbias sums live in its own partial row (only this program touches it).
+    pid = tl.program_id(0)
+    cols0 = tl.arange(0, BLOCK_N)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, M)
+    p_base = pid.to(tl.int64) * N
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        zero = tl.zeros((BLOCK_N,), tl.float32)
+        if WANT_DW:
+            tl.store(DW_P + p_base + cols, zero, mask=cols < N)
+        if WANT_DB:
+            tl.store(DB_P + p_base + cols, zero, mask=cols < N)
+    for row in range(row_start, row_end):
+        base = row.to(tl.int64) * N
+        rstd = tl.load(RSTD + row)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.load(MEAN + row)
+        a1 = tl.zeros((BLOCK_N,), tl.float32)
+        a2 = tl.zeros((BLOCK_N,), tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            m = cols < N
+            xhat = tl.where(m, (tl.load(X + base + cols, mask=m, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
+            g = tl.load(DY + base + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_W:
+                g *= tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+            a1 += g * xhat
+            a2 += g
+        c1 = tl.sum(a1, axis=0) / N
+        c2 = 0.0
+        if not IS_RMS:
+            c2 = tl.sum(a2, axis=0) / N
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            m = cols < N
+            xhat = tl.where(m, (tl.load(X + base + cols, mask=m, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
+            dy = tl.load(DY + base + cols, mask=m, other=0.0).to(tl.float32)
+            g = dy
+            if HAS_W:
+                g = dy * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+            dx = (g - xhat * c1 - c2) * rstd
+            if HAS_DRO:
+                dx += tl.load(DRO + base + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=m)
+            if HAS_DRES:
+                tl.store(DRES + base + cols, dx.to(DRES.dtype.element_ty), mask=m)
+            if WANT_DW:
+                p = DW_P + p_base + cols
+                tl.store(p, tl.load(p, mask=m, other=0.0) + dy * xhat, mask=m)
+            if WANT_DB:
+                p = DB_P + p_base + cols
+                tl.store(p, tl.load(p, mask=m, other=0.0) + dy, mask=m)
+
+
+@triton.jit
+def _col_sum_kernel(P, OUT, num_rows, N, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # OUT[c] = sum over r of P[r, c] in a fixed order (a fixed tile walk, then a fixed tree)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < N
+    acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    for r0 in range(0, num_rows, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        m = (rows < num_rows)[:, None] & cmask[None, :]
+        acc += tl.load(P + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)
+
+
+@functools.lru_cache(None)
+def _num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sms(device):
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 2  # TRITON_INTERPRET=1 on CPU tensors
+
+
+def _fwd_config(n):
+    """(BLOCK_N, ROWS, num_warps): about 16 elements per thread; several rows per program for small N."""
+    block = triton.next_power_of_2(n)
+    rows = min(64, max(1, 2048 // block))
+    return block, rows, min(16, max(4, block * rows // 512))
+
+
+def _bwd_config(n):
+    block = triton.next_power_of_2(n)
+    rows = min(64, max(1, 1024 // block))
+    return block, rows, min(16, max(4, block * rows // 512))
+
+
+def _check_2d(x, name):
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"triton norm: {name} must be a contiguous 2-D tensor, got shape {tuple(x.shape)}")
+
+
+def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32):
+    """(out, residual_out, mean, rstd), as torch.ops.ampkernels.norm_fwd_cuda."""
+    _check_2d(x, "x")
+    M, N = x.shape
+    out = torch.empty((M, N), dtype=out_dtype or x.dtype, device=x.device)
+    res_out = x.new_empty(0)
+    if residual is not None:
+        res_out = torch.empty((M, N), dtype=torch.float32 if residual_in_fp32 else x.dtype, device=x.device)
+    mean = torch.empty(0 if is_rms else M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0:
+        return out, res_out, mean, rstd
+    dummy = x
+    args = (x, dummy if residual is None else residual, dummy if weight is None else weight,
+            dummy if bias is None else bias, out, dummy if residual is None else res_out,
+            rstd if is_rms else mean, rstd, M, N, eps)
+    flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
+    block, rows, warps = _fwd_config(N)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        if block <= _MAX_FWD_BLOCK:
+            _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
+        else:
+            _norm_fwd_looped_kernel[(M,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=16)
+    return out, res_out, mean, rstd
+
+
+def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype, dresidual_dtype,
+             param_dtype):
+    """(dx, dresidual, dweight, dbias), as torch.ops.ampkernels.norm_bwd_cuda."""
+    _check_2d(x, "x")
+    _check_2d(dy, "dy")
+    M, N = x.shape
+    dx = torch.empty((M, N), dtype=dx_dtype, device=x.device)
+    dres = x.new_empty(0)
+    if dresidual_dtype is not None and dresidual_dtype != dx_dtype:
+        dres = torch.empty((M, N), dtype=dresidual_dtype, device=x.device)
+    param_dtype = param_dtype or (weight.dtype if weight is not None else x.dtype)
+    dw = torch.empty(N if want_dweight else 0, dtype=param_dtype, device=x.device)
+    db = torch.empty(N if want_dbias else 0, dtype=param_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return dx, dres, dw.zero_(), db.zero_()
+    block, rows, warps = _bwd_config(N)
+    looped = block > _MAX_BWD_BLOCK
+    if looped:
+        rows, warps = 1, 16
+    per_sm = 1 if looped else max(1, 32 // warps)
+    progs = min(triton.cdiv(M, rows), _sms(x.device) * per_sm)
+    rows_per_prog = triton.cdiv(triton.cdiv(M, progs), rows) * rows
+    progs = triton.cdiv(M, rows_per_prog)
+    dw_p = torch.empty((progs if want_dweight else 0, N), dtype=torch.float32, device=x.device)
+    db_p = torch.empty((progs if want_dbias else 0, N), dtype=torch.float32, device=x.device)
+    dummy = x
+    args = (dy, x, dummy if weight is None else weight, rstd if is_rms else mean, rstd,
+            dummy if dresidual_out is None else dresidual_out, dx, dres if dres.numel() else dummy,
+            dw_p if want_dweight else dummy, db_p if want_dbias else dummy, M, N, rows_per_prog)
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DRO=dresidual_out is not None,
+                 HAS_DRES=dres.numel() > 0, WANT_DW=want_dweight, WANT_DB=want_dbias)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        if looped:
+            _norm_bwd_looped_kernel[(progs,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=warps)
+        else:
+            _norm_bwd_kernel[(progs,)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
+        for p, out in ((dw_p, dw), (db_p, db)):
+            if out.numel():
+                _col_sum_kernel[(triton.cdiv(N, 128),)](p, out, progs, N, BLOCK_R=16, BLOCK_C=128, num_warps=4)
+    return dx, dres, dw, db
+

@@ -1,0 +1,640 @@
+// LayerNorm and RMSNorm over the last dim of a contiguous (rows, cols) matrix, forward and
+// backward, all math in fp32. One kernel serves both norms (is_rms: no mean, no bias).
+//
+// Dtypes: x (template T) is fp32/fp16/bf16; in the backward dy has x's dtype too (the binding
+// upcasts the 16-bit one of the two when they differ, exactly). Every other tensor carries its
+// own runtime dtype (residual, residual_out, weight/bias, out, dx, dresidual): a uniform switch per tile picks
+// the storage type, so any mix (fp16 x with fp32 params, fp32 out, fp32 residual) runs without
+// a build per combination. mean and rstd are fp32, one per row.
+//
+// Forward, norm_fwd_kernel: a group of G threads (1..512, a power of two) owns one row; thread t
+// holds the row's vectors t, t+G, ... (kVec elements each: 16-byte loads when cols and pointers
+// allow, else 1 element) in fp32 registers, so x and residual are read once. mean is a
+// group sum over the registers, then variance a second sum of centred squares (robust for
+// rows with a large mean). Rows longer than 512 threads x 4 vectors take
+// norm_fwd_looped_kernel: one block per row, three passes over the row (L2-resident).
+// With a residual, s = x + residual is normalised unrounded and stored as residual_out.
+//
+// Backward, norm_bwd_kernel: persistent blocks; each block loops over rows (row groups of G
+// threads, tile as in the forward, at most 2 vectors per thread), writes dx (and dresidual
+// when its dtype differs from dx's), and accumulates dweight = sum(dy * xhat) and
+// dbias = sum(dy) per column in shared memory slots owned by one thread each (no atomics).
+// At the end each block adds its row groups in a fixed order and writes one fp32 partial row;
+// norm_reduce_partials_kernel adds the blocks' partial rows in a fixed order. The grid depends
+// only on the shape, the dtype and the GPU, so the grads are bitwise repeatable.
+// Rows longer than 1024 threads x 2 vectors take norm_bwd_looped_kernel: two passes per row,
+// partial sums kept in the block's own partial row in global memory.
+#include <algorithm>
+
+#include "activations.cuh"
+
+namespace ampk {
+namespace {
+
+constexpr int kFwdMaxGroup = 512;   // threads per row, register-tile forward
+constexpr int kFwdMaxIters = 4;     // vectors per thread, register-tile forward (128 registers)
+constexpr int kBwdMaxGroup = 1024;  // threads per row, register-tile backward
+constexpr int kBwdMaxIters = 2;     // vectors per thread, register-tile backward (dx, dy, xhat, w live)
+constexpr int kLoopedThreads = 512;
+
+// kVec elements of one storage type, loaded and stored as one (or two 16-byte) transactions.
+template <typename TS, int kVec>
+struct alignas(sizeof(TS) * kVec < 16 ? sizeof(TS) * kVec : 16) Pack {
+  TS e[kVec];
+};
+
+template <typename TS, int kVec>
+__device__ __forceinline__ void load_pack(const void* p, int64_t i, float (&v)[kVec]) {
+  const Pack<TS, kVec> pk = *reinterpret_cast<const Pack<TS, kVec>*>(static_cast<const TS*>(p) + i);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) v[e] = to_f32(pk.e[e]);
+}
+
+template <typename TS, int kVec>
+__device__ __forceinline__ void store_pack(void* p, int64_t i, const float (&v)[kVec]) {
+  Pack<TS, kVec> pk;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) pk.e[e] = from_f32<TS>(v[e]);
+  *reinterpret_cast<Pack<TS, kVec>*>(static_cast<TS*>(p) + i) = pk;
+}
+
+// One vector of a tensor whose dtype is known only at run time (a uniform branch).
+template <int kVec>
+__device__ __forceinline__ void load_vec(const void* p, DType t, int64_t i, float (&v)[kVec]) {
+  switch (t) {
+    case DType::kFloat32: load_pack<float, kVec>(p, i, v); break;
+    case DType::kFloat16: load_pack<__half, kVec>(p, i, v); break;
+    case DType::kBFloat16: load_pack<__nv_bfloat16, kVec>(p, i, v); break;
+  }
+}
+
+template <int kVec>
+__device__ __forceinline__ void store_vec(void* p, DType t, int64_t i, const float (&v)[kVec]) {
+  switch (t) {
+    case DType::kFloat32: store_pack<float, kVec>(p, i, v); break;
+    case DType::kFloat16: store_pack<__half, kVec>(p, i, v); break;
+    case DType::kBFloat16: store_pack<__nv_bfloat16, kVec>(p, i, v); break;
+  }
+}
+
+// A row's tile: slot k of thread t is vector t + k*G of the row. Loads are all issued before any
+// value is used, so one thread keeps kIters transactions in flight.
+template <typename TS, int kVec, int kIters>
+__device__ __forceinline__ void load_tile_raw(Pack<TS, kVec> (&raw)[kIters], const void* p, int64_t base, int t,
+                                              int G, int64_t nvec, bool valid) {
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int64_t j = t + int64_t(k) * G;
+    if (valid && j < nvec) {
+      raw[k] = *reinterpret_cast<const Pack<TS, kVec>*>(static_cast<const TS*>(p) + base + j * kVec);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) raw[k].e[e] = from_f32<TS>(0.f);
+    }
+  }
+}
+
+template <typename TS, int kVec, int kIters>
+__device__ __forceinline__ void convert_tile(const Pack<TS, kVec> (&raw)[kIters], float (&v)[kIters][kVec]) {
+#pragma unroll
+  for (int k = 0; k < kIters; ++k)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[k][e] = to_f32(raw[k].e[e]);
+}
+
+template <int kVec, int kIters>
+__device__ __forceinline__ void load_tile(float (&v)[kIters][kVec], const void* p, DType t, int64_t base, int tid,
+                                          int G, int64_t nvec, bool valid) {
+  auto go = [&]<typename TS>() {
+    Pack<TS, kVec> raw[kIters];
+    load_tile_raw<TS, kVec, kIters>(raw, p, base, tid, G, nvec, valid);
+    convert_tile<TS, kVec, kIters>(raw, v);
+  };
+  switch (t) {
+    case DType::kFloat32: go.template operator()<float>(); break;
+    case DType::kFloat16: go.template operator()<__half>(); break;
+    case DType::kBFloat16: go.template operator()<__nv_bfloat16>(); break;
+  }
+}
+
+template <int kVec, int kIters>
+__device__ __forceinline__ void store_tile(const float (&v)[kIters][kVec], void* p, DType t, int64_t base, int tid,
+                                           int G, int64_t nvec, bool valid) {
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int64_t j = tid + int64_t(k) * G;
+    if (valid && j < nvec) store_vec<kVec>(p, t, base + j * kVec, v[k]);
+  }
+}
+
+// Sum over the G threads of a row group (G a power of two; groups are aligned in the block).
+// Every thread of the block must call it (it may synchronise the block). All lanes get the
+// same bits: a butterfly adds each pair in both orders, and float addition commutes.
+__device__ __forceinline__ float group_sum(float v, int G, float* red) {
+  for (int off = (G < 32 ? G : 32) / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if (G <= 32) return v;
+  const int warp = threadIdx.x / 32;
+  __syncthreads();  // red[] may still be read by the previous call
+  if (threadIdx.x % 32 == 0) red[warp] = v;
+  __syncthreads();
+  const int first = (threadIdx.x / G) * (G / 32);
+  float total = 0.f;
+  for (int w = 0; w < G / 32; ++w) total += red[first + w];
+  return total;
+}
+
+// Sum over the whole block (looped kernels); every thread gets the total.
+__device__ __forceinline__ float block_sum(float v, float* red) { return group_sum(v, blockDim.x, red); }
+
+// ------------------------------------------------------------------ forward
+
+template <typename T, int kVec, int kIters>
+__global__ void __launch_bounds__(kFwdMaxGroup) norm_fwd_kernel(const NormForwardArgs a, const int G) {
+  __shared__ float red[32];
+  const int t = threadIdx.x % G;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
+  const bool valid = row < a.rows;
+  const int64_t nvec = a.cols / kVec, base = row * a.cols;
+
+  float v[kIters][kVec];
+  {
+    Pack<T, kVec> raw[kIters];
+    load_tile_raw<T, kVec, kIters>(raw, a.x, base, t, G, nvec, valid);
+    if (a.residual != nullptr) {
+      load_tile<kVec, kIters>(v, a.residual, a.residual_dtype, base, t, G, nvec, valid);
+      float xv[kIters][kVec];
+      convert_tile<T, kVec, kIters>(raw, xv);
+#pragma unroll
+      for (int k = 0; k < kIters; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[k][e] += xv[k][e];
+    } else {
+      convert_tile<T, kVec, kIters>(raw, v);
+    }
+  }
+  if (a.residual_out != nullptr) store_tile<kVec, kIters>(v, a.residual_out, a.residual_out_dtype, base, t, G, nvec, valid);
+
+  float mean = 0.f;
+  if (!a.is_rms) {
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < kIters; ++k)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s += v[k][e];  // slots outside the row hold 0
+    mean = group_sum(s, G, red) / float(a.cols);
+  }
+  float sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    if (t + int64_t(k) * G < nvec) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float d = v[k][e] - mean;
+        sq += d * d;
+      }
+    }
+  }
+  const float rstd = rsqrtf(group_sum(sq, G, red) / float(a.cols) + a.eps);
+  if (valid && t == 0) {
+    if (a.mean != nullptr) a.mean[row] = mean;
+    a.rstd[row] = rstd;
+  }
+
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int64_t j = t + int64_t(k) * G;
+    if (!(valid && j < nvec)) continue;
+    float y[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) y[e] = (v[k][e] - mean) * rstd;
+    if (a.weight != nullptr) {
+      float w[kVec];
+      load_vec<kVec>(a.weight, a.param_dtype, j * kVec, w);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) y[e] *= w[e];
+    }
+    if (a.bias != nullptr) {
+      float b[kVec];
+      load_vec<kVec>(a.bias, a.param_dtype, j * kVec, b);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) y[e] += b[e];
+    }
+    store_vec<kVec>(a.out, a.out_dtype, base + j * kVec, y);
+  }
+}
+
+// One block per row, any length: pass 1 sums, pass 2 centred squares, pass 3 writes.
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kLoopedThreads) norm_fwd_looped_kernel(const NormForwardArgs a) {
+  __shared__ float red[32];
+  const int64_t row = blockIdx.x, nvec = a.cols / kVec, base = row * a.cols;
+  auto load_s = [&](int64_t j, float (&v)[kVec]) {
+    load_pack<T, kVec>(a.x, base + j * kVec, v);
+    if (a.residual != nullptr) {
+      float r[kVec];
+      load_vec<kVec>(a.residual, a.residual_dtype, base + j * kVec, r);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] += r[e];
+    }
+  };
+  float mean = 0.f;
+  if (!a.is_rms) {
+    float s = 0.f;
+    for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+      float v[kVec];
+      load_s(j, v);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s += v[e];
+    }
+    mean = block_sum(s, red) / float(a.cols);
+  }
+  float sq = 0.f;
+  for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+    float v[kVec];
+    load_s(j, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sq += (v[e] - mean) * (v[e] - mean);
+  }
+  const float rstd = rsqrtf(block_sum(sq, red) / float(a.cols) + a.eps);
+  if (threadIdx.x == 0) {
+    if (a.mean != nullptr) a.mean[row] = mean;
+    a.rstd[row] = rstd;
+  }
+  for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+    float v[kVec], y[kVec];
+    load_s(j, v);
+    if (a.residual_out != nullptr) store_vec<kVec>(a.residual_out, a.residual_out_dtype, base + j * kVec, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) y[e] = (v[e] - mean) * rstd;
+    if (a.weight != nullptr) {
+      float w[kVec];
+      load_vec<kVec>(a.weight, a.param_dtype, j * kVec, w);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) y[e] *= w[e];
+    }
+    if (a.bias != nullptr) {
+      float b[kVec];
+      load_vec<kVec>(a.bias, a.param_dtype, j * kVec, b);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) y[e] += b[e];
+    }
+    store_vec<kVec>(a.out, a.out_dtype, base + j * kVec, y);
+  }
+}
+
+// ------------------------------------------------------------------ backward
+
+template <typename T, int kVec, int kIters>
+__global__ void __launch_bounds__(kBwdMaxGroup) norm_bwd_kernel(const NormBackwardArgs a, const int G) {
+  // acc[threadIdx.x * kStride + s]: this thread's running dweight (s < E) and dbias (s >= E) sums
+  // for its slot s. Offsets are compile-time constants (no address registers); the odd stride
+  // puts a warp's 32 threads on 32 banks.
+  extern __shared__ float acc_all[];
+  __shared__ float red[32];
+  constexpr int E = kIters * kVec, kStride = 2 * E + 1;
+  float* const acc = acc_all + threadIdx.x * kStride;
+  const int t = threadIdx.x % G, groups = blockDim.x / G, g = threadIdx.x / G;
+  const int64_t nvec = a.cols / kVec;
+  const bool want_dw = a.dweight_partial != nullptr, want_db = a.dbias_partial != nullptr;
+#pragma unroll
+  for (int s = 0; s < 2 * E; ++s) acc[s] = 0.f;
+
+  const float inv_n = 1.f / float(a.cols);
+
+  // Every group of the block runs the same number of iterations (group_sum may synchronise).
+  // Register budget (1024 threads: 64 per thread): the x, dy and w tiles, then only xh and g.
+  for (int64_t row0 = int64_t(blockIdx.x) * groups; row0 < a.rows; row0 += int64_t(gridDim.x) * groups) {
+    const int64_t row = row0 + g;
+    const bool valid = row < a.rows;
+    const int64_t base = row * a.cols;
+    float xh[kIters][kVec], gr[kIters][kVec];
+    {
+      Pack<T, kVec> raw_x[kIters], raw_dy[kIters];
+      load_tile_raw<T, kVec, kIters>(raw_x, a.x, base, t, G, nvec, valid);
+      load_tile_raw<T, kVec, kIters>(raw_dy, a.dy, base, t, G, nvec, valid);
+      convert_tile<T, kVec, kIters>(raw_x, xh);
+      convert_tile<T, kVec, kIters>(raw_dy, gr);
+    }
+    const float mean = (valid && a.mean != nullptr) ? a.mean[row] : 0.f;
+    const float rstd = valid ? a.rstd[row] : 0.f;
+#pragma unroll
+    for (int k = 0; k < kIters; ++k) {
+      const bool in = t + int64_t(k) * G < nvec;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        xh[k][e] = in ? (xh[k][e] - mean) * rstd : 0.f;
+        // dy and xh are 0 outside the row and for invalid rows: the sums need no predicate
+        const int s = k * kVec + e;
+        if (want_dw) acc[s] += gr[k][e] * xh[k][e];
+        if (want_db) acc[E + s] += gr[k][e];
+      }
+    }
+    if (a.weight != nullptr) {  // gr = dy * w; w is re-read per row (an L1 hit) to save registers
+      float w[kIters][kVec];
+      load_tile<kVec, kIters>(w, a.weight, a.param_dtype, 0, t, G, nvec, true);
+#pragma unroll
+      for (int k = 0; k < kIters; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gr[k][e] *= w[k][e];
+    }
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < kIters; ++k)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        s1 += gr[k][e] * xh[k][e];
+        s2 += gr[k][e];
+      }
+    const float c1 = group_sum(s1, G, red) * inv_n;
+    const float c2 = a.is_rms ? 0.f : group_sum(s2, G, red) * inv_n;
+#pragma unroll
+    for (int k = 0; k < kIters; ++k)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) gr[k][e] = rstd * (gr[k][e] - xh[k][e] * c1 - c2);  // gr is now dx
+    if (a.dresidual_out != nullptr) {
+      load_tile<kVec, kIters>(xh, a.dresidual_out, a.dresidual_out_dtype, base, t, G, nvec, valid);
+#pragma unroll
+      for (int k = 0; k < kIters; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) gr[k][e] += xh[k][e];
+    }
+    store_tile<kVec, kIters>(gr, a.dx, a.dx_dtype, base, t, G, nvec, valid);
+    if (a.dresidual != nullptr) store_tile<kVec, kIters>(gr, a.dresidual, a.dresidual_dtype, base, t, G, nvec, valid);
+  }
+  if (!want_dw && !want_db) return;
+  __syncthreads();
+  if (g != 0) return;
+  // group 0 adds the block's row groups in a fixed order and writes the block's partial row
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int64_t j = t + int64_t(k) * G;
+    if (j >= nvec) continue;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int s = k * kVec + e;
+      const int64_t col = j * kVec + e;
+      float dw = 0.f, db = 0.f;
+      for (int q = 0; q < groups; ++q) {
+        dw += acc_all[(q * G + t) * kStride + s];
+        db += acc_all[(q * G + t) * kStride + E + s];
+      }
+      if (want_dw) a.dweight_partial[int64_t(blockIdx.x) * a.cols + col] = dw;
+      if (want_db) a.dbias_partial[int64_t(blockIdx.x) * a.cols + col] = db;
+    }
+  }
+}
+
+// Persistent blocks, one row at a time, any length: pass 1 the two row sums, pass 2 dx and the
+// block's partial sums, kept in its own partial row (each column always by the same thread).
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kLoopedThreads) norm_bwd_looped_kernel(const NormBackwardArgs a) {
+  __shared__ float red[32];
+  const int64_t nvec = a.cols / kVec;
+  float* dwp = a.dweight_partial == nullptr ? nullptr : a.dweight_partial + int64_t(blockIdx.x) * a.cols;
+  float* dbp = a.dbias_partial == nullptr ? nullptr : a.dbias_partial + int64_t(blockIdx.x) * a.cols;
+  for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      if (dwp != nullptr) dwp[j * kVec + e] = 0.f;
+      if (dbp != nullptr) dbp[j * kVec + e] = 0.f;
+    }
+  }
+  const float inv_n = 1.f / float(a.cols);
+  auto load_all = [&](int64_t base, int64_t j, float mean, float rstd, float (&xh)[kVec], float (&dy)[kVec],
+                      float (&w)[kVec]) {
+    load_pack<T, kVec>(a.x, base + j * kVec, xh);
+    load_pack<T, kVec>(a.dy, base + j * kVec, dy);
+    if (a.weight != nullptr) {
+      load_vec<kVec>(a.weight, a.param_dtype, j * kVec, w);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) w[e] = 1.f;
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) xh[e] = (xh[e] - mean) * rstd;
+  };
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const int64_t base = row * a.cols;
+    const float mean = a.mean != nullptr ? a.mean[row] : 0.f;
+    const float rstd = a.rstd[row];
+    float s1 = 0.f, s2 = 0.f;
+    for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+      float xh[kVec], dy[kVec], w[kVec];
+      load_all(base, j, mean, rstd, xh, dy, w);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        s1 += dy[e] * w[e] * xh[e];
+        s2 += dy[e] * w[e];
+      }
+    }
+    const float c1 = block_sum(s1, red) * inv_n;
+    const float c2 = a.is_rms ? 0.f : block_sum(s2, red) * inv_n;
+    for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+      float xh[kVec], dy[kVec], w[kVec], d[kVec];
+      load_all(base, j, mean, rstd, xh, dy, w);
+      if (a.dresidual_out != nullptr) {
+        load_vec<kVec>(a.dresidual_out, a.dresidual_out_dtype, base + j * kVec, d);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) d[e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) d[e] += rstd * (dy[e] * w[e] - xh[e] * c1 - c2);
+      store_vec<kVec>(a.dx, a.dx_dtype, base + j * kVec, d);
+      if (a.dresidual != nullptr) store_vec<kVec>(a.dresidual, a.dresidual_dtype, base + j * kVec, d);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        if (dwp != nullptr) dwp[j * kVec + e] += dy[e] * xh[e];
+        if (dbp != nullptr) dbp[j * kVec + e] += dy[e];
+      }
+    }
+  }
+}
+
+// out[c] = sum over blocks b of partial[b][c], in a fixed order: thread (x, y) adds the rows
+// y, y + 16, ... of column strip x, then column x's 16 sums are added in order y = 0..15.
+// blockIdx.y picks dweight (0) or dbias (1).
+constexpr int kReduceCols = 32, kReduceRows = 16;
+__global__ void norm_reduce_partials_kernel(const float* __restrict__ dw_partial, const float* __restrict__ db_partial,
+                                            void* dw, void* db, DType out_dtype, int num_blocks, int64_t cols) {
+  __shared__ float part[kReduceRows][kReduceCols + 1];
+  const float* partial = blockIdx.y == 0 ? dw_partial : db_partial;
+  void* out = blockIdx.y == 0 ? dw : db;
+  if (partial == nullptr) return;
+  const int64_t col = int64_t(blockIdx.x) * kReduceCols + threadIdx.x;
+  float s = 0.f;
+  if (col < cols) {
+    for (int b = threadIdx.y; b < num_blocks; b += kReduceRows) s += partial[int64_t(b) * cols + col];
+  }
+  part[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || col >= cols) return;
+  float total = 0.f;
+#pragma unroll
+  for (int y = 0; y < kReduceRows; ++y) total += part[y][threadIdx.x];
+  float v[1] = {total};
+  store_vec<1>(out, out_dtype, col, v);
+}
+
+// ------------------------------------------------------------------ launch configuration
+
+int elem_size(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+int next_pow2(int64_t v) {
+  int p = 1;
+  while (p < v) p *= 2;
+  return p;
+}
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Vector width: 16 bytes of x when every full-size tensor and the params allow it.
+int fwd_vec(const NormForwardArgs& a) {
+  const int v = 16 / elem_size(a.x_dtype);
+  const bool ok = a.cols % v == 0 && aligned16(a.x) && aligned16(a.residual) && aligned16(a.weight) &&
+                  aligned16(a.bias) && aligned16(a.out) && aligned16(a.residual_out);
+  return ok ? v : 1;
+}
+
+int bwd_vec(const NormBackwardArgs& a) {
+  const int v = 16 / elem_size(a.x_dtype);
+  const bool ok = a.cols % v == 0 && aligned16(a.x) && aligned16(a.dy) && aligned16(a.weight) &&
+                  aligned16(a.dresidual_out) && aligned16(a.dx) && aligned16(a.dresidual);
+  return ok ? v : 1;
+}
+
+struct TileConfig {
+  int vec, group, iters, threads;  // iters == 0: the looped kernel
+};
+
+// About 4 vectors (64 bytes of 16-bit x) per thread: enough loads in flight per thread, and
+// the fewest threads per row (so most rows share no block-wide reductions).
+TileConfig fwd_config(const NormForwardArgs& a) {
+  const int vec = fwd_vec(a);
+  const int64_t nvec = a.cols / vec;
+  if (nvec > int64_t(kFwdMaxGroup) * kFwdMaxIters) return {vec, 0, 0, kLoopedThreads};
+  const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, 4)));
+  const int iters = next_pow2(ceil_div(nvec, group));
+  return {vec, group, iters, std::max(group, 128)};
+}
+
+// At most 2 vectors per thread: x, dy, w and dx tiles stay in registers at 1024 threads.
+TileConfig bwd_config(const NormBackwardArgs& a) {
+  const int vec = bwd_vec(a);
+  const int64_t nvec = a.cols / vec;
+  if (nvec > int64_t(kBwdMaxGroup) * kBwdMaxIters) return {vec, 0, 0, kLoopedThreads};
+  const int group = std::min(kBwdMaxGroup, next_pow2(ceil_div(nvec, kBwdMaxIters)));
+  const int iters = next_pow2(ceil_div(nvec, group));
+  return {vec, group, iters, std::max(group, 256)};
+}
+
+// Runs f.template operator()<T, kVec>() for x's dtype and the vector width (16 bytes or 1 element).
+template <typename F>
+cudaError_t dispatch_vec(DType x_dtype, int vec, F&& f) {
+  return dispatch_dtype(x_dtype, [&]<typename T>() {
+    if (vec == 1) return f.template operator()<T, 1>();
+    return f.template operator()<T, 16 / sizeof(T)>();
+  });
+}
+
+template <typename F>
+cudaError_t dispatch_iters(int iters, F&& f) {
+  switch (iters) {
+    case 1: return f.template operator()<1>();
+    case 2: return f.template operator()<2>();
+    case 4: return f.template operator()<4>();
+  }
+  return cudaErrorInvalidConfiguration;
+}
+
+size_t bwd_smem(const TileConfig& c) { return size_t(2 * c.iters * c.vec + 1) * c.threads * sizeof(float); }
+
+// Blocks of the persistent backward: as many as fit on the GPU at once, never more than there
+// are row groups. Also sets the kernel's shared-memory limit when it needs more than 48 KiB.
+cudaError_t bwd_blocks(const NormBackwardArgs& a, int num_sms, const TileConfig& c, int* blocks) {
+  int per_sm = 0;
+  cudaError_t err = dispatch_vec(a.x_dtype, c.vec, [&]<typename T, int kVec>() {
+    if (c.iters == 0) {
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, norm_bwd_looped_kernel<T, kVec>, c.threads, 0);
+    }
+    return dispatch_iters(c.iters, [&]<int kIters>() -> cudaError_t {
+      if constexpr (kIters > kBwdMaxIters) {
+        return cudaErrorInvalidConfiguration;
+      } else {
+        const auto kernel = norm_bwd_kernel<T, kVec, kIters>;
+        const size_t smem = bwd_smem(c);
+        if (smem > 48 * 1024) {
+          const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+          if (e != cudaSuccess) return e;
+        }
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, c.threads, smem);
+      }
+    });
+  });
+  if (err != cudaSuccess) return err;
+  const int64_t groups = c.iters == 0 ? 1 : c.threads / c.group;
+  const int64_t most = std::max<int64_t>(1, ceil_div(a.rows, groups));
+  *blocks = int(std::min<int64_t>(most, int64_t(std::max(per_sm, 1)) * num_sms));
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.cols == 0) return cudaSuccess;
+  const TileConfig c = fwd_config(a);
+  return dispatch_vec(a.x_dtype, c.vec, [&]<typename T, int kVec>() {
+    if (c.iters == 0) {
+      if (a.rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
+      norm_fwd_looped_kernel<T, kVec><<<unsigned(a.rows), c.threads, 0, stream>>>(a);
+      return cudaGetLastError();
+    }
+    return dispatch_iters(c.iters, [&]<int kIters>() {
+      const int64_t blocks = ceil_div(a.rows, c.threads / c.group);
+      if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+      norm_fwd_kernel<T, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t norm_backward_blocks(const NormBackwardArgs& a, int num_sms, int* blocks) {
+  if (a.rows == 0 || a.cols == 0) {
+    *blocks = 1;
+    return cudaSuccess;
+  }
+  return bwd_blocks(a, num_sms, bwd_config(a), blocks);
+}
+
+cudaError_t norm_backward(const NormBackwardArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.cols == 0) return cudaSuccess;
+  const TileConfig c = bwd_config(a);
+  if (a.num_blocks < 1) return cudaErrorInvalidConfiguration;
+  return dispatch_vec(a.x_dtype, c.vec, [&]<typename T, int kVec>() {
+    if (c.iters == 0) {
+      norm_bwd_looped_kernel<T, kVec><<<unsigned(a.num_blocks), c.threads, 0, stream>>>(a);
+      return cudaGetLastError();
+    }
+    return dispatch_iters(c.iters, [&]<int kIters>() -> cudaError_t {
+      if constexpr (kIters > kBwdMaxIters) {
+        return cudaErrorInvalidConfiguration;
+      } else {
+        norm_bwd_kernel<T, kVec, kIters><<<unsigned(a.num_blocks), c.threads, bwd_smem(c), stream>>>(a, c.group);
+        return cudaGetLastError();
+      }
+    });
+  });
+}
+
+cudaError_t norm_reduce_partials(const float* dweight_partial, const float* dbias_partial, void* dweight,
+                                 void* dbias, DType param_dtype, int num_blocks, int64_t cols, cudaStream_t stream) {
+  if (cols == 0 || (dweight_partial == nullptr && dbias_partial == nullptr)) return cudaSuccess;
+  const int64_t strips = ceil_div(cols, kReduceCols);
+  if (strips > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const dim3 grid{unsigned(strips), 2};
+  const dim3 block{kReduceCols, kReduceRows};
+  norm_reduce_partials_kernel<<<grid, block, 0, stream>>>(dweight_partial, dbias_partial, dweight, dbias,
+                                                         param_dtype, num_blocks, cols);
+  return cudaGetLastError();
+}
+
+}  // namespace ampk
