@@ -5,8 +5,11 @@ It walks K in BLOCK_K steps, accumulating x (M, K) . W^T (K, N) in fp32 with tl.
 epilogue adds the bias in fp32, rounds the pre-activation to y's dtype (the value backward
 reads, stored to `pre` when STORE_PRE), and stores act(pre) in y's dtype. Programs walk the
 tiles in GROUP_M-row bands so that the programs in flight share W and x tiles in L2. The
-launch is persistent on a GPU (one program per SM, looping over tiles): the epilogue of one
-tile overlaps the main loop of the next on the other warps, and no tail wave is wasted.
+launch is persistent on a GPU (at most one program per SM, each looping over tiles): no
+launch tail wave, and the bias/activation epilogue costs no extra pass over y.
+On Hopper (`_linear_act_fwd_tma_kernel`, the default when the operands are 16-byte aligned
+with N, K multiples of 8) the same kernel moves tiles with TMA descriptors: no per-element
+address math, zero-filled out-of-bounds loads, clipped stores, no masks.
 
 Backward (`_linear_act_dz_kernel`): dz = dy * act'(saved) over BLOCK_M x BLOCK_N tiles, in
 dy's dtype, plus fp32 column sums of dz per row block (the dbias partials, later summed in
@@ -18,13 +21,22 @@ one extra elementwise pass costs bandwidth.
 Activation ids follow ampkernels.reference.ACTIVATIONS. All activation math is fp32.
 """
 import functools
+import logging
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # older Triton: the pointer kernel only
+    TensorDescriptor = None
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# AMPKERNELS_TRITON_AUTOTUNE=0: one config per kernel, no tuning runs (fast test sessions)
+_AUTOTUNE = os.environ.get("AMPKERNELS_TRITON_AUTOTUNE", "1") != "0"
+log = logging.getLogger("ampkernels")
 
 _SQRT1_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
@@ -79,13 +91,13 @@ def _fwd_configs():
     # Hopper (228 KB smem/SM): 128x256 and 256x128 tiles with 3 stages keep wgmma busy on large
     # shapes; 128x128 with 4 stages suits small N or K; 8 warps = 2 warpgroups for a 128-row tile.
     cfg = [
+        (128, 128, 64, 4, 8),  # first: the only one when autotuning is off (fits smem in every mode)
         (128, 256, 64, 3, 8),
         (256, 128, 64, 3, 8),
-        (128, 128, 64, 4, 8),
         (128, 128, 64, 4, 4),
-        (128, 64, 64, 4, 4),
         (64, 128, 64, 4, 4),
     ]
+    cfg = cfg if _AUTOTUNE else cfg[:1]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
             for bm, bn, bk, s, w in cfg]
 
@@ -101,8 +113,8 @@ def _linear_act_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_m * num_n
     in_group = GROUP_M * num_n
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
@@ -122,7 +134,7 @@ def _linear_act_fwd_kernel(
         x_tile = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]
         w_tile = w_ptr + rn[:, None] * stride_wn + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
             k_left = K - k * BLOCK_K
             a = tl.load(x_tile, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(w_tile, mask=offs_k[None, :] < k_left, other=0.0)
@@ -142,15 +154,91 @@ def _linear_act_fwd_kernel(
         tl.store(y_ptr + out_off, y.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
+def _tma_configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
+                              pre_hook=_set_block_shapes)]
+    # smem per stage (fp16): (BM + BN) * BK * 2 bytes; the epilogue stages y (and pre) tiles too,
+    # so 3 stages; configs that do not fit (128x256 with pre stored) are dropped by the autotuner.
+    cfg = [(128, 128, 64, 3, 8), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4)]
+    cfg = cfg if _AUTOTUNE else cfg[:1]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w,
+                          pre_hook=_set_block_shapes) for bm, bn, bk, s, w in cfg]
+
+
+def _set_block_shapes(nargs):
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["x_desc"].block_shape = [bm, bk]
+    nargs["w_desc"].block_shape = [bn, bk]
+    nargs["y_desc"].block_shape = [bm, bn]
+    nargs["pre_desc"].block_shape = [bm, bn]
+
+
+@triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "ACT", "STORE_PRE", "HAS_BIAS"])
+@triton.jit
+def _linear_act_fwd_tma_kernel(
+    x_desc, w_desc, y_desc, pre_desc, b_ptr,
+    M, N, K,
+    NUM_PROGRAMS,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Same tile walk and epilogue as _linear_act_fwd_kernel; operands move by TMA (Hopper's
+    # bulk tensor copies: no address math in registers, out-of-bounds boxes are zero-filled on
+    # load and clipped on store, so no masks anywhere).
+    pid = tl.program_id(0)
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    num_tiles = num_m * num_n
+    in_group = GROUP_M * num_n
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        group = tile // in_group
+        first_m = group * GROUP_M
+        group_size = min(num_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % in_group) % group_size) * BLOCK_M
+        off_n = ((tile % in_group) // group_size) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+            a = x_desc.load([off_m, k * BLOCK_K])
+            b = w_desc.load([off_n, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc += bias[None, :]
+        pre = acc.to(y_desc.dtype)
+        if STORE_PRE:
+            pre_desc.store([off_m, off_n], pre)
+        y = _act_fwd(pre.to(tl.float32), ACT)
+        y_desc.store([off_m, off_n], y.to(y_desc.dtype))
+
+
+def _tma_ok(*tensors):
+    """TMA descriptors need 16-byte aligned bases and row strides (N, K multiples of 8 in fp16)."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+_TMA_STATE = {"broken": None}  # set to the error if a TMA launch ever fails: then pointers only
+
+
+def tma_enabled(device):
+    if (TensorDescriptor is None or os.environ.get("AMPKERNELS_TRITON_TMA", "1") == "0"
+            or _TMA_STATE["broken"] is not None or _INTERPRET):
+        return False
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @functools.lru_cache(None)
 def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def linear_act_fwd(x, weight, bias, act_id, store_pre):
+def linear_act_fwd(x, weight, bias, act_id, store_pre, tma=None):
     """(y, pre) for x (M, K), weight (N, K), bias (N,) or None, all contiguous, one dtype.
 
     pre is x @ W^T + b in x's dtype when store_pre, else an empty (0, 0) tensor.
+    tma: None picks the TMA kernel on Hopper+ when the operands allow it; True/False force it
+    (tests run the TMA kernel under TRITON_INTERPRET=1 this way).
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -178,9 +266,24 @@ def linear_act_fwd(x, weight, bias, act_id, store_pre):
     def grid(meta):
         return (min(programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
-    _linear_act_fwd_kernel[grid](x, weight, bias if bias is not None else x, y, pre if store_pre else y, M, N, K,
-                                 x.stride(0), weight.stride(0), programs, ACT=act_id, HAS_BIAS=bias is not None,
-                                 STORE_PRE=store_pre)
+    b_arg = bias if bias is not None else x
+    pre_arg = pre if store_pre else y
+    use_tma = (tma_enabled(x.device) if tma is None else tma) and TensorDescriptor is not None
+    if use_tma and _tma_ok(x, weight, y):
+        try:
+            # block shapes are placeholders: the autotuner's pre_hook sets them per config
+            descs = [TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, weight, y, pre_arg)]
+            _linear_act_fwd_tma_kernel[grid](*descs, b_arg, M, N, K, programs, ACT=act_id,
+                                             HAS_BIAS=bias is not None, STORE_PRE=store_pre)
+            return y, pre
+        except Exception as e:  # an old driver/ptxas without TMA: say so once, keep working
+            if tma:
+                raise
+            _TMA_STATE["broken"] = f"{type(e).__name__}: {e}"
+            log.warning("ampkernels: Triton TMA matmul unavailable (%s); using the pointer kernel",
+                        _TMA_STATE["broken"][:300])
+    _linear_act_fwd_kernel[grid](x, weight, b_arg, y, pre_arg, M, N, K, x.stride(0), weight.stride(0), programs,
+                                 ACT=act_id, HAS_BIAS=bias is not None, STORE_PRE=store_pre)
     return y, pre
 
 
