@@ -162,7 +162,7 @@ def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, 
     # dweight/dbias sums live in its own partial row (only this program touches it).
     pid = tl.program_id(0)
     cols0 = tl.arange(0, BLOCK_N)
-    row_start = pid * rows_per_prog
+    row_start = pid.to(tl.int64) * rows_per_prog  # int64 rows: the loop variable inherits it
     row_end = tl.minimum(row_start + rows_per_prog, M)
     p_base = pid.to(tl.int64) * N
     for start in range(0, N, BLOCK_N):
@@ -173,7 +173,7 @@ def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, 
         if WANT_DB:
             tl.store(DB_P + p_base + cols, zero, mask=cols < N)
     for row in range(row_start, row_end):
-        base = row.to(tl.int64) * N
+        base = row * N
         rstd = tl.load(RSTD + row)
         mean = 0.0
         if not IS_RMS:

@@ -1,0 +1,569 @@
+"""layer_norm / rms_norm: every backend against float64 math, forward and all gradients.
+
+CPU tier: the reference (forward and backward) against float64 math and autograd; the Triton
+kernels under TRITON_INTERPRET=1 in fp16/fp32 (bf16 is broken in the interpreter), their
+looped variants for long rows; dispatch and errors; opcheck; torch.compile(fullgraph); the
+compiled extension's schemas and its error for CPU tensors.
+GPU tier (`pytest -m gpu`): cuda, triton and torch for every dtype x param dtype, N from 1
+to 65536, large-mean and all-zero rows, strided and misaligned views, 3-D input, residual
+paths, out_dtype, autocast, bitwise determinism of the param grads, torch.compile, CUDA-graph
+capture, opcheck, NaN/Inf, empty batches, and a tensor over 2^31 elements.
+
+Tolerances (tests/utils.py TOL): relative Frobenius error vs float64, fp16 1e-3, bf16 8e-3,
+fp32 1e-5; gradients factor 2 (one more rounding of dx, sums over many rows).
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ampkernels import _extension, backends, reference
+from ampkernels.ops import layer_norm as ln
+from ampkernels.ops.layer_norm import layer_norm, rms_norm
+from tests.utils import TOL, assert_rel_close, randn
+
+HAS_CUDA = torch.cuda.is_available()
+GRAD_FACTOR = 2
+needs_triton = pytest.mark.skipif(not backends._available("triton")[0], reason="triton unavailable")
+
+
+def _norm(is_rms, x, n, w, b, eps, **kw):
+    if is_rms:
+        return rms_norm(x, n, w, eps, **kw)
+    return layer_norm(x, n, w, b, eps, **kw)
+
+
+def _inputs(m, n, dtype, device, pdtype=None, affine=True, lead=(), mean=0.0):
+    x = randn(*lead, m, n, dtype=dtype, device=device, offset=mean)
+    pdtype = pdtype or dtype
+    w = randn(n, dtype=pdtype, device=device, scale=0.5, offset=1.0) if affine else None
+    b = randn(n, dtype=pdtype, device=device, scale=0.5) if affine else None
+    return x, w, b
+
+
+def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=False, out_dtype=None, factor=1.0,
+           use_res_out=True):
+    """Forward and every gradient of one call against float64 autograd on the same inputs."""
+    n = x.shape[-1]
+    b = None if is_rms else b
+    leaves = [t for t in (x, w, b, residual) if t is not None]
+    ins = [t.detach().clone().requires_grad_() for t in leaves]
+    ins64 = [t.detach().double().requires_grad_() for t in leaves]
+    before = [t.detach().clone() for t in leaves]
+
+    def unpack(ts):
+        it = iter(ts)
+        return [next(it) if t is not None else None for t in (x, w, b, residual)]
+
+    xx, ww, bb, rr = unpack(ins)
+    x6, w6, b6, r6 = unpack(ins64)
+    res = _norm(is_rms, xx, n, ww, bb, eps, residual=rr, residual_in_fp32=residual_in_fp32, out_dtype=out_dtype,
+                backend=backend)
+    if is_rms:
+        ref = reference.rms_norm(x6, n, w6, eps, residual=r6)
+    else:
+        ref = reference.layer_norm(x6, n, w6, b6, eps, residual=r6)
+    out, out64 = (res[0], ref[0]) if residual is not None else (res, ref)
+    assert out.dtype == (out_dtype or x.dtype) and out.shape == x.shape
+    what = f"{backend} {'rms' if is_rms else 'ln'} {x.dtype} n={n}"
+    tol_dtype = x.dtype if out_dtype is None or out_dtype == torch.float32 else out_dtype
+    assert_rel_close(out, out64, tol_dtype, factor=factor, what=f"{what} out")
+    loss_terms = [(out, out64)]
+    if residual is not None:
+        s, s64 = res[1], ref[1]
+        assert s.dtype == (torch.float32 if residual_in_fp32 else x.dtype)
+        assert_rel_close(s, s64, s.dtype if s.dtype != torch.float32 else x.dtype, what=f"{what} residual_out")
+        if use_res_out:
+            loss_terms.append((s, s64))
+    grads = [torch.randn(o.shape, device=o.device) for o, _ in loss_terms]
+    torch.autograd.backward([o for o, _ in loss_terms], [g.to(o.dtype) for g, (o, _) in zip(grads, loss_terms)])
+    torch.autograd.backward([o for _, o in loss_terms], [g.to(o.dtype).double() for g, (o, _) in
+                                                       zip(grads, loss_terms)])
+    for name, t, t64, orig in zip(("dx", "dweight", "dbias", "dresidual"), unpack(ins), unpack(ins64),
+                                  (x, w, b, residual)):
+        if t is None:
+            continue
+        assert t.grad is not None and t.grad.dtype == orig.dtype, f"{what} {name} dtype"
+        assert_rel_close(t.grad, t64.grad, orig.dtype if orig.dtype != torch.float32 else x.dtype,
+                         factor=GRAD_FACTOR * factor, what=f"{what} {name}")
+    for t, t0 in zip(leaves, before):
+        assert torch.equal(t, t0), "an input was modified"
+    return res
+
+
+def _eps(n):
+    # N = 1: RMSNorm's dx = eps / (x^2 + eps)^1.5 is all cancellation; a large eps keeps it
+    # well-conditioned enough for a relative-error check (LayerNorm's dx is exactly 0 there)
+    return 1.0 if n == 1 else 1e-5
+
+
+# ---------------------------------------------------------------- CPU tier: reference
+
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_reference_matches_float64_math(is_rms):
+    x, w, b = _inputs(9, 33, torch.float32, "cpu", lead=(2,), mean=3.0)
+    r = randn(2, 9, 33)
+    eps = 1e-5
+    s = x.double() + r.double()
+    if is_rms:
+        want = F.rms_norm(s, (33,), w.double(), eps)
+        out, s_out = reference.rms_norm(x, 33, w, eps, residual=r)
+    else:
+        want = F.layer_norm(s, (33,), w.double(), b.double(), eps)
+        out, s_out = reference.layer_norm(x, 33, w, b, eps, residual=r)
+    assert out.dtype == torch.float32 and s_out.dtype == torch.float32
+    assert_rel_close(out, want, torch.float32)
+    assert_rel_close(s_out, s, torch.float32)
+    x16 = x.half()
+    out16 = reference.layer_norm(x16, (33,), w, b) if not is_rms else reference.rms_norm(x16, (33,), w)
+    assert out16.dtype == torch.float16  # x.dtype, also with fp32 params
+    assert reference.rms_norm(x16, 33, w)[0].dtype == torch.float16
+
+
+@pytest.mark.parametrize("is_rms", [False, True])
+@pytest.mark.parametrize("with_dres", [False, True])
+def test_reference_backward_matches_autograd(is_rms, with_dres):
+    x, w, b = _inputs(7, 40, torch.float64, "cpu", mean=2.0)
+    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    out, _, mean, rstd = reference.norm_forward(x, w, None if is_rms else b, 1e-5, is_rms=is_rms)
+    dy, dres = torch.randn_like(out), torch.randn_like(out) if with_dres else None
+    out.backward(dy)
+    dx, dw, db = reference.norm_backward(dy, x.detach(), w.detach(), None if is_rms else mean.detach(),
+                                         rstd.detach(), dresidual_out=dres, is_rms=is_rms, want_dbias=not is_rms)
+    assert_rel_close(dx, x.grad + (0 if dres is None else dres), torch.float64)
+    assert_rel_close(dw, w.grad, torch.float64)
+    if not is_rms:
+        assert_rel_close(db, b.grad, torch.float64)
+
+
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_torch_backend(is_rms):
+    x, w, b = _inputs(6, 50, torch.float32, "cpu", lead=(2,))
+    _check(is_rms, x, w, b, "torch")
+    _check(is_rms, x, w, b, "torch", residual=randn(2, 6, 50), residual_in_fp32=True)
+    _check(is_rms, x, None, None, "torch")
+
+
+def test_rms_eps_default_is_finfo_eps():
+    x = randn(4, 16)
+    assert torch.equal(rms_norm(x, 16, backend="torch"), F.rms_norm(x, (16,), eps=torch.finfo(torch.float32).eps))
+
+
+def test_all_zero_row_is_finite_and_nan_propagates():
+    x, w, b = _inputs(4, 32, torch.float32, "cpu")
+    x[1] = 0
+    x[2, 5] = float("nan")
+    x[3, 7] = float("inf")
+    for is_rms in (False, True):
+        out = _norm(is_rms, x, 32, w, b, 1e-5, backend="torch")
+        want = F.rms_norm(x, (32,), w, 1e-5) if is_rms else F.layer_norm(x, (32,), w, b, 1e-5)
+        assert torch.isfinite(out[:2]).all()
+        assert torch.isnan(out[2]).all() == torch.isnan(want[2]).all()
+        assert torch.equal(torch.isnan(out), torch.isnan(want))
+
+
+# ---------------------------------------------------------------- CPU tier: Triton under the interpreter
+
+def _interp():
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers triton on CUDA tensors")
+
+
+@needs_triton
+@pytest.mark.parametrize("is_rms", [False, True])
+@pytest.mark.parametrize("dtype,pdtype", [(torch.float16, torch.float32), (torch.float16, torch.float16),
+                                          (torch.float32, torch.float32)])
+def test_triton_interpret(is_rms, dtype, pdtype):
+    _interp()
+    for m, n in ((5, 1), (3, 7), (9, 64), (4, 200)):
+        x, w, b = _inputs(m, n, dtype, "cpu", pdtype)
+        _check(is_rms, x, w, b, "triton", eps=_eps(n))
+    x, w, b = _inputs(6, 48, dtype, "cpu", pdtype, mean=1000.0)
+    x[2] = 0
+    # fp32 at mean 1000: x - mean itself carries ~1e-5 relative rounding (as torch's fp32 does)
+    f = 5 if dtype == torch.float32 else 1
+    _check(is_rms, x, w, b, "triton", factor=f)
+    _check(is_rms, x, None, None, "triton", factor=f)
+
+
+@needs_triton
+@pytest.mark.parametrize("is_rms", [False, True])
+@pytest.mark.parametrize("residual_in_fp32", [False, True])
+def test_triton_interpret_residual_and_out_dtype(is_rms, residual_in_fp32):
+    _interp()
+    x, w, b = _inputs(5, 40, torch.float16, "cpu", torch.float32, lead=(2,))
+    for r in (randn(2, 5, 40, dtype=torch.float16), randn(2, 5, 40)):
+        _check(is_rms, x, w, b, "triton", residual=r, residual_in_fp32=residual_in_fp32)
+    _check(is_rms, x, w, b, "triton", residual=randn(2, 5, 40, dtype=torch.float16), use_res_out=False)
+    _check(is_rms, x, w, b, "triton", out_dtype=torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
+    """Rows longer than the register tile: force the looped kernels on a small row."""
+    _interp()
+    from ampkernels.triton import layer_norm as tln
+    monkeypatch.setattr(tln, "_MAX_FWD_BLOCK", 32)
+    monkeypatch.setattr(tln, "_MAX_BWD_BLOCK", 32)
+    monkeypatch.setattr(tln, "_LOOP_BLOCK", 32)
+    x, w, b = _inputs(5, 100, torch.float32, "cpu", mean=5.0)
+    _check(is_rms, x, w, b, "triton", residual=randn(5, 100))
+    _check(is_rms, x, w, b, "triton")
+
+
+@needs_triton
+def test_triton_interpret_deterministic_and_empty():
+    _interp()
+    x, w, b = _inputs(37, 24, torch.float32, "cpu")
+    grads = []
+    for _ in range(2):
+        ww = w.detach().clone().requires_grad_()
+        layer_norm(x, 24, ww, b, backend="triton").backward(torch.ones(37, 24))
+        grads.append(ww.grad)
+    assert torch.equal(grads[0], grads[1])
+    x0 = randn(0, 24, requires_grad=True)
+    ww = w.detach().clone().requires_grad_()
+    out = layer_norm(x0, 24, ww, b, backend="triton")
+    assert out.shape == (0, 24)
+    out.sum().backward()
+    assert torch.equal(ww.grad, torch.zeros_like(w))
+
+
+@needs_triton
+def test_triton_interpret_strided_and_3d():
+    _interp()
+    big = randn(6, 4, 80, dtype=torch.float16)
+    x = big[:, 1, 3:67]  # rows 320 elements apart, 6-byte offset
+    w = randn(64)
+    out = layer_norm(x, 64, w, None, backend="triton")
+    assert_rel_close(out, F.layer_norm(x.double(), (64,), w.double()), torch.float16)
+    x3 = randn(2, 3, 4, 8, dtype=torch.float16)
+    w3 = randn(4, 8)
+    out = rms_norm(x3, (4, 8), w3, 1e-6, backend="triton")
+    assert out.shape == x3.shape
+    assert_rel_close(out, F.rms_norm(x3.double(), (4, 8), w3.double(), 1e-6), torch.float16)
+
+
+# ---------------------------------------------------------------- CPU tier: dispatch, errors, plumbing
+
+def test_bad_inputs_are_clear_errors():
+    x, w, b = _inputs(4, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="normalized_shape"):
+        layer_norm(x, 8, w, b)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        layer_norm(x, 16, w[:8], b)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        layer_norm(x, 16, w, b[:8])
+    with pytest.raises(ValueError, match="residual must have"):
+        layer_norm(x, 16, w, b, residual=x[:2])
+    with pytest.raises(ValueError, match="weight is on meta"):
+        layer_norm(x, 16, w.to("meta"), b)
+    with pytest.raises(TypeError, match="floating-point"):
+        layer_norm(torch.ones(4, 16, dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        layer_norm(x, 16, out_dtype=torch.int8)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        layer_norm(x, 16, backend="cudnn")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU-only behaviour")
+def test_explicit_cuda_on_cpu_is_a_clear_error():
+    x, w, b = _inputs(4, 16, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="layer_norm: backend 'cuda'"):
+        layer_norm(x, 16, w, b, backend="cuda")
+    with pytest.raises(RuntimeError, match="rms_norm: backend 'cuda'"):
+        rms_norm(x, 16, w, backend="cuda")
+
+
+def test_unsupported_inputs_fall_back_to_the_reference(monkeypatch):
+    x, w, b = _inputs(4, 16, torch.float64, "cpu")
+    out = layer_norm(x, 16, w, b)  # float64: the reference, exactly torch's math
+    assert out.dtype == torch.float64
+    assert_rel_close(out, F.layer_norm(x, (16,), w, b), torch.float64)
+    with pytest.raises(RuntimeError, match="x dtype torch.float64"):
+        layer_norm(x, 16, w, b, backend="triton")
+    xb = randn(4, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight dtype torch.float16 is neither"):
+        layer_norm(xb, 16, w.half(), None, backend="triton")
+    seen = []
+    monkeypatch.setattr(ln.backends, "select", lambda op, be, dev, pref, unsupported=None: seen.append(
+        (op, pref, unsupported)) or "torch")
+    layer_norm(xb, 16, w.half(), None)
+    rms_norm(x.float(), 16)
+    assert seen[0][0] == "layer_norm" and "neither" in seen[0][2]
+    assert seen[1] == ("rms_norm", ("cuda", "triton"), None)
+
+
+def test_auto_on_cpu_runs_torch():
+    x, w, b = _inputs(4, 16, torch.float32, "cpu")
+    assert backends.select("layer_norm", None, x.device, ln._preference(x, 16)) == "torch"
+
+
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_fp32_params_and_bias_dtype_mix(is_rms):
+    x, w, b = _inputs(5, 24, torch.float16, "cpu", torch.float32)
+    _check(is_rms, x, w, b.half() if b is not None else None, "torch")
+
+
+def _opcheck(backend, dtype):
+    x, w, b = _inputs(6, 24, dtype, "cpu", torch.float32)
+    r = randn(6, 24, dtype=dtype)
+    fwd, bwd = torch.ops.ampkernels.norm_fwd.default, torch.ops.ampkernels.norm_bwd.default
+    torch.library.opcheck(fwd, (x, w, b, r, 1e-5, False, None, True, backend))
+    torch.library.opcheck(fwd, (x, w, None, None, 1e-6, True, torch.float32, False, backend))
+    out, s, mean, rstd = fwd(x, w, b, r, 1e-5, False, None, True, backend)
+    dy = randn(6, 24, dtype=dtype)
+    torch.library.opcheck(bwd, (dy, s, w, mean, rstd, s.clone(), False, True, True, dtype, torch.float32,
+                                torch.float32, backend))
+    _, _, mean, rstd = fwd(x, None, None, None, 1e-6, True, None, False, backend)
+    torch.library.opcheck(bwd, (dy, x, None, mean, rstd, None, True, False, False, dtype, None, None, backend))
+
+
+def test_opcheck_cpu_torch():
+    _opcheck("torch", torch.float32)
+
+
+@needs_triton
+def test_opcheck_cpu_triton_interpret():
+    _interp()
+    _opcheck("triton", torch.float16)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if not HAS_CUDA else []))
+def test_compile_fullgraph_cpu(backend):
+    dtype = torch.float32 if backend == "torch" else torch.float16
+    x, w, b = _inputs(6, 32, dtype, "cpu", torch.float32, lead=(2,))
+    r = randn(2, 6, 32, dtype=dtype)
+
+    def block(x, r, w, b):
+        h, s = layer_norm(x, 32, w, b, residual=r, residual_in_fp32=True, backend=backend)
+        return rms_norm(h * 2, 32, w, 1e-6, backend=backend).float().sum() + s.sum()
+
+    torch._dynamo.reset()
+    fn = torch.compile(block, fullgraph=True, backend="aot_eager")
+    ins = [t.detach().requires_grad_() for t in (x, r, w, b)]
+    ins_ref = [t.detach().requires_grad_() for t in (x, r, w, b)]
+    fn(*ins).backward()
+    block(*ins_ref).backward()
+    for a, c in zip(ins, ins_ref):
+        assert torch.equal(a.grad, c.grad)
+
+
+needs_ext = pytest.mark.skipif(not _extension.load(), reason=f"extension not built: {_extension.status()[1]}")
+
+
+@needs_ext
+@pytest.mark.parametrize("name", ["norm_fwd_cuda", "norm_bwd_cuda"])
+def test_extension_schemas(name):
+    assert getattr(torch.ops.ampkernels, name).default._schema.name == f"ampkernels::{name}"
+
+
+@needs_ext
+def test_extension_cpu_tensor_is_a_clear_error():
+    x, w, b = _inputs(4, 16, torch.float16, "cpu")
+    with pytest.raises(RuntimeError, match="norm_fwd_cuda: x must be a CUDA tensor, got a tensor on cpu"):
+        torch.ops.ampkernels.norm_fwd_cuda(x, w, b, None, 1e-5, False, None, False)
+    rstd = torch.ones(4)
+    with pytest.raises(RuntimeError, match="norm_bwd_cuda: x must be a CUDA tensor"):
+        torch.ops.ampkernels.norm_bwd_cuda(x, x, w, rstd, rstd, None, False, True, True, torch.float16, None, None)
+
+
+# ---------------------------------------------------------------- GPU tier
+
+GPU_BACKENDS = ["cuda", "triton", "torch"]
+NS = [1, 7, 768, 1000, 1024, 1536, 2048, 4096, 8192, 12288, 16384, 65536]
+DTYPE_COMBOS = [(torch.float16, torch.float16), (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                (torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
+
+
+def _rows(n):
+    return max(4, min(300, 2**18 // n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_gpu_sizes(backend, n, is_rms):
+    x, w, b = _inputs(_rows(n), n, torch.bfloat16, "cuda", torch.float32)
+    x[1] = 0  # an all-zero row
+    _check(is_rms, x, w, b, backend, eps=_eps(n))
+    x, w, b = _inputs(_rows(n), n, torch.float16, "cuda", mean=1000.0)  # large mean + noise
+    _check(is_rms, x, w, b, backend, eps=_eps(n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype,pdtype", DTYPE_COMBOS)
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_gpu_dtype_combos(backend, dtype, pdtype, is_rms):
+    for n in (1000, 4096):
+        x, w, b = _inputs(257, n, dtype, "cuda", pdtype)
+        _check(is_rms, x, w, b, backend)
+    x, w, b = _inputs(64, 1024, dtype, "cuda", pdtype, affine=False)
+    _check(is_rms, x, w, b, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("is_rms", [False, True])
+@pytest.mark.parametrize("n", [1000, 2048, 65536])
+def test_gpu_residual_paths(backend, is_rms, n):
+    m = _rows(n)
+    x, w, b = _inputs(m, n, torch.bfloat16, "cuda", torch.float32, lead=(2,))
+    for r, in_fp32 in ((randn(2, m, n, dtype=torch.bfloat16, device="cuda"), False),
+                       (randn(2, m, n, device="cuda"), True), (randn(2, m, n, device="cuda"), False)):
+        _check(is_rms, x, w, b, backend, residual=r, residual_in_fp32=in_fp32)
+    _check(is_rms, x, w, b, backend, residual=randn(2, m, n, dtype=torch.bfloat16, device="cuda"),
+           use_res_out=False)
+    _check(is_rms, x, w, b, backend, out_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_strided_misaligned_and_3d(backend):
+    big = randn(64, 3, 1030, dtype=torch.float16, device="cuda")
+    w, b = randn(1024, device="cuda"), randn(1024, device="cuda")
+    for x in (big[:, 1, 3:1027], big[:, 0, :1024], big[:, :, :1024].transpose(0, 1)):
+        for is_rms in (False, True):
+            _check(is_rms, x, w, b, backend)
+    base = randn(300 * 768 + 1, dtype=torch.bfloat16, device="cuda")
+    _check(False, base[1:].view(3, 100, 768), randn(768, device="cuda"), randn(768, device="cuda"), backend)
+    x4 = randn(2, 3, 5, 16, 48, dtype=torch.bfloat16, device="cuda")
+    out = layer_norm(x4, (16, 48), backend=backend)
+    assert_rel_close(out, F.layer_norm(x4.double(), (16, 48)), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("n", [1024, 8192, 65536])
+def test_gpu_param_grads_bitwise_repeatable(backend, n):
+    x, w, b = _inputs(2**20 // n, n, torch.bfloat16, "cuda", torch.float32)
+    dy = randn(*x.shape, dtype=torch.bfloat16, device="cuda")
+    grads = []
+    for _ in range(2):
+        ww, bb = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+        layer_norm(x, n, ww, bb, backend=backend).backward(dy)
+        grads.append((ww.grad, bb.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_autocast_keeps_activation_dtype(backend, dtype):
+    lin = torch.nn.Linear(512, 768, device="cuda")
+    norm = torch.nn.LayerNorm(768, device="cuda")
+    x = randn(64, 512, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        h = lin(x)
+        out = layer_norm(h, 768, norm.weight, norm.bias, backend=backend)
+        out2 = rms_norm(h, 768, norm.weight, 1e-6, backend=backend)
+    assert h.dtype == dtype and out.dtype == dtype and out2.dtype == dtype
+    (out.float().sum() + out2.float().sum()).backward()
+    assert norm.weight.grad.dtype == torch.float32 and lin.weight.grad is not None
+    assert_rel_close(out, F.layer_norm(h.detach().double(), (768,), norm.weight.double(), norm.bias.double()), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_nan_inf_zero_rows_and_empty(backend):
+    x, w, b = _inputs(8, 1024, torch.float16, "cuda", torch.float32)
+    x[1] = 0
+    x[2, 5] = float("nan")
+    x[3, 7] = float("inf")
+    for is_rms in (False, True):
+        out = _norm(is_rms, x, 1024, w, b, 1e-5, backend=backend)
+        want = F.rms_norm(x.float(), (1024,), w, 1e-5) if is_rms else F.layer_norm(x.float(), (1024,), w, b, 1e-5)
+        assert torch.equal(torch.isnan(out), torch.isnan(want))
+        assert torch.isfinite(out[[0, 1, 4, 5, 6, 7]]).all()
+    x0 = randn(0, 256, dtype=torch.float16, device="cuda", requires_grad=True)
+    ww = randn(256, device="cuda", requires_grad=True)
+    out = layer_norm(x0, 256, ww, None, backend=backend)
+    assert out.shape == (0, 256)
+    out.sum().backward()
+    assert torch.equal(ww.grad, torch.zeros_like(ww))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_opcheck(backend):
+    x, w, b = _inputs(33, 1000, torch.float16, "cuda", torch.float32)
+    r = randn(33, 1000, dtype=torch.float16, device="cuda")
+    fwd, bwd = torch.ops.ampkernels.norm_fwd.default, torch.ops.ampkernels.norm_bwd.default
+    torch.library.opcheck(fwd, (x, w, b, r, 1e-5, False, None, False, backend))
+    torch.library.opcheck(fwd, (x, w, None, None, 1e-6, True, torch.float32, False, backend))
+    out, s, mean, rstd = fwd(x, w, b, r, 1e-5, False, None, True, backend)
+    torch.library.opcheck(bwd, (torch.randn_like(x), s, w, mean, rstd, s.clone(), False, True, True, x.dtype,
+                                torch.float32, torch.float32, backend))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_compile_fullgraph(backend):
+    x, w, b = _inputs(128, 1024, torch.bfloat16, "cuda", torch.float32)
+    r = randn(128, 1024, dtype=torch.bfloat16, device="cuda")
+
+    def block(x, r, w, b):
+        h, s = layer_norm(x, 1024, w, b, residual=r, backend=backend)
+        return (rms_norm(h, 1024, w, 1e-6, backend=backend).float() * 3).sum() + s.float().sum()
+
+    torch._dynamo.reset()
+    fn = torch.compile(block, fullgraph=True, backend="inductor" if backend == "cuda" else "aot_eager")
+    ins = [t.detach().requires_grad_() for t in (x, r, w, b)]
+    ins_ref = [t.detach().requires_grad_() for t in (x, r, w, b)]
+    fn(*ins).backward()
+    block(*ins_ref).backward()
+    for a, c in zip(ins, ins_ref):
+        assert_rel_close(a.grad, c.grad, torch.bfloat16, factor=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_cuda_graph_capture(backend):
+    x, w, b = _inputs(512, 2048, torch.float16, "cuda", torch.float32)
+    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    dy = randn(512, 2048, dtype=torch.float16, device="cuda")
+
+    def step():
+        for t in (x, w, b):
+            t.grad = None
+        out = layer_norm(x, 2048, w, b, backend=backend)
+        out.backward(dy)
+        return out
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()  # warm up (Triton compiles, allocator pools) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    want = (step().detach().clone(), x.grad.clone(), w.grad.clone())
+    graph = torch.cuda.CUDAGraph()
+    for t in (x, w, b):
+        t.grad = None
+    with torch.cuda.graph(graph):
+        out = layer_norm(x, 2048, w, b, backend=backend)
+        out.backward(dy)
+    with torch.no_grad():
+        x.mul_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want[0]) and torch.equal(x.grad, want[1]) and torch.equal(w.grad, want[2])
+
+
+@pytest.mark.gpu
+def test_gpu_64bit_indexing():
+    """A tensor over 2^31 elements: the last rows must be right (offsets need 64 bits)."""
+    n = 4096
+    m = 2**31 // n + 3
+    x = torch.randn(m, n, dtype=torch.float16, device="cuda")
+    w = randn(n, device="cuda")
+    for backend in ("cuda", "triton"):
+        out = layer_norm(x, n, w, None, backend=backend)
+        tail = slice(m - 5, m)
+        assert_rel_close(out[tail], F.layer_norm(x[tail].double(), (n,), w.double()), torch.float16)
+        del out
+    torch.cuda.empty_cache()
