@@ -1,0 +1,181 @@
+"""layer_norm / rms_norm benchmark: every implementation side by side in one run.
+
+Providers, per op (layer_norm, rms_norm), dtype and N (M = 2^27 / N rows):
+  copy                   x -> out device copy: the bandwidth ceiling (op "copy")
+  eager                  F.layer_norm / F.rms_norm, params in x.dtype
+  compile                torch.compile of eager, fresh per shape (torch._dynamo.reset())
+  autocast               nn.LayerNorm / nn.RMSNorm with fp32 params on fp16/bf16 x under
+                         autocast (fwd only; torch upcasts and returns fp32)
+  ampkernels-<backend>   each live backend, params in x.dtype
+  ampkernels-<backend>-autocast   the same under autocast with fp32 params (the AMP case)
+Bytes (as ../shared/baselines): fwd = x read + y written, bwd = x and dy read + dx written,
+all at x's element size (so the autocast rows are "TB/s-equivalent"). Backward is timed alone
+(retain_graph, grads set to None between runs). Rows: TB/s with median/p20/p80 ms.
+
+    python -m benchmarks.bench_layer_norm --out DIR [--quick]
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from .common import Recorder, bench, environment, guard
+
+NS = (768, 1024, 2048, 4096, 8192, 16384)
+QUICK_NS = (768, 2048, 8192, 16384)
+TOTAL = 2**27
+OPS = ("layer_norm", "rms_norm")
+FWD_TARGET, BWD_TARGET, BACKEND_SHARE, AUTOCAST_SPEEDUP = 3.9, 3.2, 0.85, 5.0
+
+
+def _eager(op, n):
+    if op == "layer_norm":
+        return lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5)
+    return lambda x, w, b: F.rms_norm(x, (n,), w, 1e-5)
+
+
+def _ours(op, n, backend):
+    import ampkernels
+    if op == "layer_norm":
+        return lambda x, w, b: ampkernels.layer_norm(x, (n,), w, b, 1e-5, backend=backend)
+    return lambda x, w, b: ampkernels.rms_norm(x, (n,), w, 1e-5, backend=backend)
+
+
+def _module(op, n):
+    m = torch.nn.LayerNorm(n, device="cuda") if op == "layer_norm" else torch.nn.RMSNorm(n, eps=1e-5, device="cuda")
+    return lambda x, w, b: m(x)
+
+
+def _record(recorder, op, provider, pas, dtype, n, m, ms, nbytes):
+    med, p20, p80 = ms
+    return recorder.add(op=op, provider=provider, **{"pass": pas}, dtype=str(dtype).replace("torch.", ""), N=n, M=m,
+                        shape=f"{m}x{n}", metric="TB/s", value=round(nbytes / med / 1e9, 3), ms=round(med, 4),
+                        ms_p20=round(p20, 4), ms_p80=round(p80, 4))
+
+
+def _fwd_bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, bwd=True):
+    m = x.shape[0]
+    e = x.element_size()
+    timing = dict(warmup=10 if quick else 25, rep=40 if quick else 100)
+    ctx = (lambda: torch.autocast("cuda", dtype=autocast)) if autocast else torch.enable_grad
+
+    def fwd():
+        with ctx(), torch.no_grad():
+            return fn(x, w, b)
+
+    fwd()  # compile / warm up outside the timing
+    _record(recorder, op, provider, "fwd", x.dtype, n, m, bench(fwd, **timing), 2 * m * n * e)
+    if not bwd:
+        return
+    leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
+    xg, wg = leaves[0], leaves[1]
+    bg = leaves[2] if len(leaves) > 2 else None
+    with ctx():
+        out = fn(xg, wg, bg)
+    out.backward(dy, retain_graph=True)
+    _record(recorder, op, provider, "bwd", x.dtype, n, m,
+            bench(lambda: out.backward(dy, retain_graph=True), grad_to_none=leaves, **timing), 3 * m * n * e)
+    del out
+
+
+def run(recorder, dtypes=(torch.float16, torch.bfloat16), quick=False):
+    import ampkernels
+
+    live = [name for name, (ok, _) in ampkernels.available_backends().items() if ok and name in ("cuda", "triton")]
+    for dtype in dtypes:
+        for n in QUICK_NS if quick else NS:
+            m = TOTAL // n
+            torch.manual_seed(0)
+            x = torch.randn(m, n, device="cuda", dtype=dtype)
+            dy = torch.randn(m, n, device="cuda", dtype=dtype)
+            w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
+            b = torch.randn(n, device="cuda", dtype=dtype)
+            w32, b32 = w.float(), b.float()
+            out = torch.empty_like(x)
+            guard(recorder, "copy", lambda: _record(recorder, "copy", "copy", "fwd", dtype, n, m,
+                                                    bench(lambda: out.copy_(x)), 2 * m * n * x.element_size()))
+            del out
+            for op in OPS:
+                bb = b if op == "layer_norm" else None
+                bb32 = b32 if op == "layer_norm" else None
+                guard(recorder, op, lambda: _fwd_bwd(recorder, op, "eager", _eager(op, n), x, w, bb, dy, n, quick))
+
+                def compiled():
+                    torch._dynamo.reset()
+                    _fwd_bwd(recorder, op, "compile", torch.compile(_eager(op, n)), x, w, bb, dy, n, quick)
+                guard(recorder, op, compiled)
+                guard(recorder, op, lambda: _fwd_bwd(recorder, op, "autocast", _module(op, n), x, w32, bb32, dy, n,
+                                                     quick, autocast=dtype, bwd=False))
+                for backend in live:
+                    guard(recorder, op, lambda: _fwd_bwd(recorder, op, f"ampkernels-{backend}", _ours(op, n, backend),
+                                                         x, w, bb, dy, n, quick))
+                    guard(recorder, op, lambda: _fwd_bwd(recorder, op, f"ampkernels-{backend}-autocast",
+                                                         _ours(op, n, backend), x, w32, bb32, dy, n, quick,
+                                                         autocast=dtype))
+            del x, dy
+            torch.cuda.empty_cache()
+
+
+def report(rows):
+    """One line per target of issue 3 / DESIGN.md, per op, pass, dtype and N."""
+    value = {}
+    for r in rows:
+        if r.get("metric") == "TB/s":
+            value[(r["op"], r["provider"], r["pass"], r["dtype"], r["N"])] = r["value"]
+    lines = []
+    keys = sorted({(k[0], k[2], k[3], k[4]) for k in value if k[0] in OPS and k[1].startswith("ampkernels-")
+                   and not k[1].endswith("-autocast")})
+    verdict = lambda ok: "PASS" if ok else "FALLS SHORT"  # noqa: E731
+    for op, pas, dtype, n in keys:
+        ours = {p: v for (o, p, s, d, nn), v in value.items()
+                if (o, s, d, nn) == (op, pas, dtype, n) and p.startswith("ampkernels-") and not p.endswith("-autocast")}
+        best_p = max(ours, key=ours.get)
+        best = ours[best_p]
+        target = FWD_TARGET if pas == "fwd" else BWD_TARGET
+        copy = value.get(("copy", "copy", "fwd", dtype, n))
+        rel = f" ({best / copy:.0%} of copy {copy})" if copy else ""
+        lines.append(f"{op} {pas} {dtype} N={n}: best {best_p} {best:.2f} TB/s{rel} >= {target}: "
+                     f"{verdict(best >= target)}")
+        for p, v in sorted(ours.items()):
+            lines.append(f"{op} {pas} {dtype} N={n}: {p} {v:.2f} TB/s >= {BACKEND_SHARE:.0%} of {target} "
+                         f"({BACKEND_SHARE * target:.2f}): {verdict(v >= BACKEND_SHARE * target)}")
+        for base in ("eager", "compile"):
+            bv = value.get((op, base, pas, dtype, n))
+            if bv is not None:
+                lines.append(f"{op} {pas} {dtype} N={n}: best {best:.2f} vs {base} {bv:.2f} TB/s "
+                             f"({best / bv:.2f}x) >= 1x: {verdict(best >= bv)}")
+        if pas == "fwd":
+            amp = value.get((op, "autocast", "fwd", dtype, n))
+            ac = {p: v for (o, p, s, d, nn), v in value.items()
+                  if (o, s, d, nn) == (op, "fwd", dtype, n) and p.endswith("-autocast") and p.startswith("ampkernels")}
+            if amp and ac:
+                bp = max(ac, key=ac.get)
+                lines.append(f"{op} fwd {dtype} N={n}: autocast fp32 params {bp} {ac[bp]:.2f} vs nn under autocast "
+                             f"{amp:.2f} TB/s-eq ({ac[bp] / amp:.1f}x) >= {AUTOCAST_SPEEDUP}x: "
+                             f"{verdict(ac[bp] >= AUTOCAST_SPEEDUP * amp)}")
+    return lines
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
+    args = p.parse_args(argv)
+    recorder = Recorder(args.out)
+    env = environment()
+    print(f"bench_layer_norm on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (see `ampkernels bench` for the CPU demo)")
+        return 0
+    run(recorder, [getattr(torch, d) for d in args.dtype], args.quick)
+    text = "\n".join(report(recorder.rows))
+    print(text)
+    if args.out:
+        with open(f"{args.out}/report_layer_norm.txt", "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
