@@ -61,11 +61,19 @@ struct LtGemm {
 };
 
 // Runs the GEMM on `stream` with a cached descriptor + algorithm. handle is a cublasLtHandle_t.
-// Returns nullptr on success, else a message naming the failed cuBLASLt call and the GEMM.
-const char* lt_matmul(const LtGemm& gemm, void* handle, void* workspace, size_t workspace_size, cudaStream_t stream);
+// Returns nullptr on success, else a message naming the failed cuBLASLt call and the GEMM;
+// *no_plan is set when nothing ran because cuBLASLt has no algorithm/descriptor for it (the
+// caller may take an unfused path), and left false for failures of the launch itself.
+const char* lt_matmul(const LtGemm& gemm, void* handle, void* workspace, size_t workspace_size, cudaStream_t stream,
+                      bool* no_plan);
 
 // Number of cached (descriptor, algorithm) plans, for tests.
 size_t lt_cached_plans();
+
+// dz = dy * act'(saved) over numel elements (no bias gradient: BGRADB computes it in the
+// weight-gradient GEMM). 16-byte vectors when pointers and numel allow.
+cudaError_t act_backward(const void* dy, const void* saved, void* dz, int64_t numel, DType dtype, Activation act,
+                         int num_sms, cudaStream_t stream);
 
 // ---- layer_norm / rms_norm
 // LayerNorm / RMSNorm over the last dim of contiguous (rows, cols) tensors; fp32 math. Each

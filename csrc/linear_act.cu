@@ -16,21 +16,49 @@
 // Every cuBLASLt status is checked; the message names the call and the GEMM.
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <mutex>
 #include <string>
 #include <tuple>
 
-#include "ampkernels.h"
+#include "activations.cuh"
 
 namespace ampk {
 namespace {
+
+// dz = dy * act'(saved), elementwise over a flat array. One thread owns kVec consecutive
+// elements (16-byte loads and stores when every pointer is 16-byte aligned and numel is a
+// multiple of the vector, which the fused path guarantees; else one element).
+template <typename T, Activation A, int kVec>
+__global__ void act_backward_kernel(const T* __restrict__ dy, const T* __restrict__ saved, T* __restrict__ dz,
+                                    int64_t numel) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x * kVec;
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec; i < numel; i += stride) {
+    T g[kVec], s[kVec];
+    if constexpr (kVec > 1) {
+      *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(dy + i);
+      *reinterpret_cast<uint4*>(s) = *reinterpret_cast<const uint4*>(saved + i);
+    } else {
+      g[0] = dy[i];
+      s[0] = saved[i];
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) g[k] = from_f32<T>(to_f32(g[k]) * act_grad<A>(to_f32(s[k])));
+    if constexpr (kVec > 1) {
+      *reinterpret_cast<uint4*>(dz + i) = *reinterpret_cast<const uint4*>(g);
+    } else {
+      dz[i] = g[0];
+    }
+  }
+}
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  std::string unsupported;  // non-empty: cuBLASLt has no algorithm for this key (cached too)
 };
 
 using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, int, int, bool, int64_t,
@@ -125,7 +153,9 @@ void destroy(Plan& p) {
 
 }  // namespace
 
-const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t workspace_size, cudaStream_t stream) {
+const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t workspace_size, cudaStream_t stream,
+                      bool* no_plan) {
+  *no_plan = false;
   if (g.dtype == DType::kFloat32) {
     g_error = "lt_matmul: fp32 is not a linear_act compute dtype";
     return g_error.c_str();
@@ -143,12 +173,19 @@ const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t wo
   if (it == g_plans.end()) {
     Plan p;
     if (const char* err = make_plan(g, handle, workspace_size, p)) {
+      // no descriptor or no algorithm for this epilogue/shape: remembered, so the caller's
+      // unfused path costs no heuristic query on later calls
       destroy(p);
-      return err;
+      p.unsupported = err;
     }
     it = g_plans.emplace(key, p).first;
   }
   Plan& p = it->second;
+  if (!p.unsupported.empty()) {
+    *no_plan = true;
+    g_error = p.unsupported;
+    return g_error.c_str();
+  }
   if (uses_bias(g.epilogue))
     AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
   if (uses_aux(g.epilogue))
@@ -157,6 +194,30 @@ const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t wo
   AMPK_LT(cublasLtMatmul(handle, p.desc, &alpha, g.a, p.a, g.b, p.b, &beta, g.d, p.d, g.d, p.d, &p.algo, workspace,
                          workspace_size, stream));
   return nullptr;
+}
+
+cudaError_t act_backward(const void* dy, const void* saved, void* dz, int64_t numel, DType dtype, Activation act,
+                         int num_sms, cudaStream_t stream) {
+  if (numel == 0) return cudaSuccess;
+  return dispatch_dtype(dtype, [&]<typename T>() {
+    return dispatch_activation(act, [&]<Activation A>() {
+      constexpr int kWide = 16 / sizeof(T);
+      constexpr int kThreads = 256;
+      const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+      const bool vec = numel % kWide == 0 && aligned(dy) && aligned(saved) && aligned(dz);
+      const int64_t items = vec ? numel / kWide : numel;
+      // a few waves of resident blocks; the grid-stride loop covers the rest
+      const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(num_sms) * 8);
+      if (vec) {
+        act_backward_kernel<T, A, kWide><<<unsigned(blocks), kThreads, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(saved), static_cast<T*>(dz), numel);
+      } else {
+        act_backward_kernel<T, A, 1><<<unsigned(blocks), kThreads, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(saved), static_cast<T*>(dz), numel);
+      }
+      return cudaGetLastError();
+    });
+  });
 }
 
 size_t lt_cached_plans() {

@@ -335,10 +335,11 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
 // Epilogues fuse bias, ReLU and GELU(tanh) (+ its pre-activation as aux). cuBLASLt's
 // DGELU/DRELU_BGRAD epilogues multiply a GEMM's *output* by act'(aux); in one layer's
 // backward act' multiplies the GEMM's *input* dz, so they do not apply here: dz = dy * act'(pre)
-// is the bias_act backward kernel. Other activations (erf GELU, SiLU, squared ReLU) run the
-// GEMM with the bias epilogue, then the bias_act kernel. Inputs cuBLASLt cannot take with a
-// fused epilogue (pointers not 16-byte aligned, N or K not multiples of 8, K = 0) run the
-// explicit fallback: at::mm (cuBLAS, any alignment) + the bias_act kernel.
+// is one vectorised elementwise pass (act_backward in linear_act.cu). Other activations (erf
+// GELU, SiLU, squared ReLU) run the GEMM with the bias epilogue, then the bias_act kernel.
+// Inputs cuBLASLt cannot take with a fused epilogue (pointers not 16-byte aligned, N or K not
+// multiples of 8, K = 0) run the explicit fallback: at::mm (cuBLAS, any alignment) + the
+// bias_act kernel.
 
 constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
@@ -346,12 +347,20 @@ bool lt_aligned(const at::Tensor& t) {
   return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-void run_lt(const LtGemm& g, const at::Tensor& like) {
+// Runs one cuBLASLt GEMM. false (and a one-time warning) when cuBLASLt has no algorithm for
+// this epilogue and shape: the caller then takes its unfused path. Launch failures throw.
+bool try_lt(const LtGemm& g, const at::Tensor& like) {
   // from the caching allocator: stream-ordered, so freeing it after the async launch is safe
   const at::Tensor workspace = at::empty({int64_t(kLtWorkspaceBytes)}, like.options().dtype(at::kByte));
+  bool no_plan = false;
   const char* err = lt_matmul(g, at::cuda::getCurrentCUDABlasLtHandle(), workspace.data_ptr(), kLtWorkspaceBytes,
-                              at::cuda::getCurrentCUDAStream());
+                              at::cuda::getCurrentCUDAStream(), &no_plan);
+  if (err != nullptr && no_plan) {
+    TORCH_WARN_ONCE("ampkernels.linear_act: ", err, "; using the unfused path for such GEMMs");
+    return false;
+  }
   TORCH_CHECK(err == nullptr, "ampkernels.linear_act: ", err);
+  return true;
 }
 
 void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight, const char* op) {
@@ -398,35 +407,36 @@ std::tuple<at::Tensor, at::Tensor> linear_act_fwd(const at::Tensor& x, const at:
   const bool lt = fuse && lt_fusable(x, weight, N, K) && (!bias || lt_aligned(*bias));
   void* bias_ptr = bias ? bias->data_ptr() : nullptr;
   if (lt) {
-    LtGemm g{N, M, K, true, false, weight.data_ptr(), K, x.data_ptr(), K, y.data_ptr(), N, dtype,
-             bias ? LtEpilogue::kBias : LtEpilogue::kDefault, bias_ptr, nullptr, 0};
-    if (act == Activation::kIdentity) {
-      run_lt(g, x);
-      if (store_pre) pre.copy_(y);
-      return {y, pre};
-    }
+    const LtGemm gemm{N, M, K, true, false, weight.data_ptr(), K, x.data_ptr(), K, y.data_ptr(), N, dtype,
+                      bias ? LtEpilogue::kBias : LtEpilogue::kDefault, bias_ptr, nullptr, 0};
+    // 1. the activation in the epilogue, where cuBLASLt has it
+    LtGemm g = gemm;
+    bool fused = true;
     if (act == Activation::kReLU && !store_pre) {  // relu's backward reads its output (y > 0 iff pre > 0)
       g.epilogue = bias ? LtEpilogue::kReLUBias : LtEpilogue::kReLU;
-      run_lt(g, x);
+    } else if (act == Activation::kGELUTanh) {  // cuBLASLt's GELU is the tanh approximation
+      g.epilogue = store_pre ? (bias ? LtEpilogue::kGELUAuxBias : LtEpilogue::kGELUAux)
+                             : (bias ? LtEpilogue::kGELUBias : LtEpilogue::kGELU);
+      g.aux = store_pre ? pre.data_ptr() : nullptr;
+      g.aux_ld = store_pre ? N : 0;
+    } else if (act != Activation::kIdentity) {
+      fused = false;
+    }
+    if (fused && try_lt(g, x)) {
+      if (store_pre && act == Activation::kIdentity) pre.copy_(y);
       return {y, pre};
     }
-    if (act == Activation::kGELUTanh) {  // cuBLASLt's GELU is the tanh approximation
-      if (store_pre) {
-        g.epilogue = bias ? LtEpilogue::kGELUAuxBias : LtEpilogue::kGELUAux;
-        g.aux = pre.data_ptr();
-        g.aux_ld = N;
-      } else {
-        g.epilogue = bias ? LtEpilogue::kGELUBias : LtEpilogue::kGELU;
+    // 2. GEMM + bias into z, then act(z) (in place when pre is not kept)
+    if (act != Activation::kIdentity) {
+      at::Tensor z = store_pre ? pre : y;
+      g = gemm;
+      g.d = z.data_ptr();
+      if (try_lt(g, x)) {
+        AMPK_CHECK_CUDA(
+            bias_act_forward(z.data_ptr(), nullptr, y.data_ptr(), nullptr, M, N, dtype, dtype, act, stream));
+        return {y, pre};
       }
-      run_lt(g, x);
-      return {y, pre};
     }
-    // no epilogue for this activation: GEMM + bias into z, then act(z) (in place when pre is not kept)
-    at::Tensor z = store_pre ? pre : y;
-    g.d = z.data_ptr();
-    run_lt(g, x);
-    AMPK_CHECK_CUDA(bias_act_forward(z.data_ptr(), nullptr, y.data_ptr(), nullptr, M, N, dtype, dtype, act, stream));
-    return {y, pre};
   }
   // fallback: cuBLAS at any alignment, then the fused bias + activation kernel
   const at::Tensor z = x.mm(weight.t());
@@ -472,29 +482,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& 
                 ": saved must match dy (", dy.sizes(), ", ", dy.scalar_type(), "), got ", saved.sizes(), ", ",
                 saved.scalar_type());
     dz = at::empty_like(dy);
-    AMPK_CHECK_CUDA(bias_act_backward(dy.data_ptr(), saved.data_ptr(), dz.data_ptr(), nullptr, M, N, 1, dtype, act,
-                                      stream));
+    AMPK_CHECK_CUDA(act_backward(dy.data_ptr(), saved.data_ptr(), dz.data_ptr(), M * N, dtype, act, num_sms(), stream));
   }
   const bool lt = fuse && lt_fusable(x, weight, N, K) && lt_aligned(dz);
   if (need_dx) {
-    if (lt) {
-      run_lt(LtGemm{K, M, N, false, false, weight.data_ptr(), K, dz.data_ptr(), N, dx.data_ptr(), K, dtype,
-                    LtEpilogue::kDefault, nullptr, nullptr, 0},
-             x);
-    } else {
-      dx.copy_(dz.mm(weight));
-    }
+    const LtGemm g{K, M, N, false, false, weight.data_ptr(), K, dz.data_ptr(), N, dx.data_ptr(), K, dtype,
+                   LtEpilogue::kDefault, nullptr, nullptr, 0};
+    if (!(lt && try_lt(g, x))) dx.copy_(dz.mm(weight));
   }
   bool db_done = false;
   if (need_dw) {
-    if (lt) {
-      run_lt(LtGemm{K, N, M, false, true, x.data_ptr(), K, dz.data_ptr(), N, dw.data_ptr(), K, dtype,
-                    need_db ? LtEpilogue::kBGradB : LtEpilogue::kDefault, need_db ? db.data_ptr() : nullptr, nullptr,
-                    0},
-             x);
-      db_done = need_db;
-    } else {
-      dw.copy_(dz.t().mm(x));
+    LtGemm g{K, N, M, false, true, x.data_ptr(), K, dz.data_ptr(), N, dw.data_ptr(), K, dtype,
+             need_db ? LtEpilogue::kBGradB : LtEpilogue::kDefault, need_db ? db.data_ptr() : nullptr, nullptr, 0};
+    db_done = need_db && lt && try_lt(g, x);
+    if (!db_done) {
+      g.epilogue = LtEpilogue::kDefault;
+      g.bias = nullptr;
+      if (!(lt && try_lt(g, x))) dw.copy_(dz.t().mm(x));
     }
   }
   if (need_db && !db_done) db.copy_(dz.sum(at::IntArrayRef{0}, false, at::kFloat));  // fp32 accumulation, fixed order
