@@ -110,13 +110,15 @@ def _memory_row(recorder, name, fn, x, w, b, dtype, shape, activation):
     del y
 
 
-def run(recorder, dtypes, quick):
+def run(recorder, dtypes, quick, device="cuda"):
+    """Measure every provider side by side. device="cpu" is only a smoke test of this code
+    (tests use it with tiny shapes under TRITON_INTERPRET=1); its numbers mean nothing."""
     from ampkernels import reference
 
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         print("bench_linear_act: no CUDA device; nothing measured (see benchmarks/run.py for the CPU demo)")
         return
-    dev = "cuda"
+    dev = device
     for dtype in dtypes:
         for shape in SHAPES:
             m, k, n = shape
@@ -131,7 +133,7 @@ def run(recorder, dtypes, quick):
             for activation in ACTIVATIONS:
                 ref = reference.linear_act(x, w, b, activation).float()
                 provs = _providers(activation)
-                if activation == "gelu_tanh":
+                if activation == "gelu_tanh" and (not quick or shape == COMPILE_SHAPE):
                     # the pointer kernel, for comparison with the default TMA kernel
                     def ptr(x, w, b):
                         import ampkernels
@@ -151,7 +153,7 @@ def run(recorder, dtypes, quick):
                     if name != "addmm_act":
                         guard(recorder, f"{name} fwd_bwd", lambda: _measure(recorder, name, fn, "fwd_bwd", x, w, b,
                                                                              dtype, shape, activation, quick))
-                if shape == COMPILE_SHAPE and activation in ("gelu_tanh", "relu"):
+                if shape == COMPILE_SHAPE and activation in ("gelu_tanh", "relu") and dev == "cuda":
                     mem = {"eager": provs["eager"]}
                     for backend in ("cuda", "triton"):
                         if f"ampkernels-{backend}" in provs:
@@ -165,7 +167,8 @@ def run(recorder, dtypes, quick):
                                                                                shape, activation))
                 del ref
             del x, w, b
-            torch.cuda.empty_cache()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- report

@@ -342,6 +342,31 @@ def test_extension_cpu_tensor_is_a_clear_error():
         torch.ops.ampkernels.linear_act_bwd_cuda(x @ w.T, x, w, x @ w.T, 2, True, True, True, True)
 
 
+def test_benchmark_runs_and_reports(monkeypatch, tmp_path):
+    # the benchmark's code path on tiny CPU shapes (numbers meaningless), then its report
+    from benchmarks import bench_linear_act as bl
+    from benchmarks.common import Recorder
+    monkeypatch.setattr(bl, "SHAPES", [(32, 32, 32)])
+    monkeypatch.setattr(bl, "ACTIVATIONS", ("gelu_tanh",))
+    monkeypatch.setattr(bl, "COMPILE_SHAPE", (0, 0, 0))
+    rec = Recorder(str(tmp_path))
+    bl.run(rec, [torch.float16], quick=True, device="cpu")
+    providers = {r["provider"] for r in rec.rows}
+    assert "error" not in providers, [r for r in rec.rows if r["provider"] == "error"]
+    assert {"matmul", "eager", "addmm_act"} <= providers
+    assert all(r.get("rel_err", 0) < 1e-2 for r in rec.rows), rec.rows
+    rows = [dict(op="linear_act", provider=p, dtype="float16", shape="8192x1024x4096", activation=a,
+                 metric="TFLOP/s", value=v, **{"pass": s})
+            for p, s, a, v in (("matmul", "fwd", "none", 600), ("matmul", "fwd_bwd", "none", 600),
+                               ("ampkernels-cuda", "fwd", "gelu", 590), ("ampkernels-cuda", "fwd_bwd", "gelu", 500),
+                               ("eager", "fwd_bwd", "gelu", 400))]
+    monkeypatch.undo()  # the report's eager target is at the real COMPILE_SHAPE
+    lines = bl.report(rows)
+    assert any("0.983 of matmul (>= 0.95) [ampkernels-cuda] PASS" in line for line in lines), lines
+    assert any("0.833 of matmul (>= 0.95) [ampkernels-cuda] FALLS SHORT" in line for line in lines), lines
+    assert any("1.250x eager (>= 1.15) PASS" in line for line in lines), lines
+
+
 # ---------------------------------------------------------------- GPU tier
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]
