@@ -543,3 +543,15 @@ def test_gpu_auto_never_errors_and_uses_a_kernel():
     x, w, b = _inputs(256, 512, 1024, torch.bfloat16, "cuda")
     for activation in ACTS:
         _check(x, w, b, activation, None)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_tma_kernel_is_live_on_hopper():
+    from ampkernels.triton import linear_act as tk
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0+")
+    x, w, b = _inputs(256, 512, 384, torch.float16, "cuda")
+    y, _ = tk.linear_act_fwd(x, w, b, reference.activation_id("gelu"), False)
+    assert tk._TMA_STATE["broken"] is None, tk._TMA_STATE["broken"]
+    assert tk.tma_enabled(x.device)
+    assert_rel_close(y, reference.linear_act(x.double(), w.double(), b.double(), "gelu"), torch.float16)

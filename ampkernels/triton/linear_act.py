@@ -206,11 +206,12 @@ def _linear_act_fwd_tma_kernel(
             offs_n = off_n + tl.arange(0, BLOCK_N)
             bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
             acc += bias[None, :]
-        pre = acc.to(y_desc.dtype)
+        out_ty = b_ptr.dtype.element_ty  # b_ptr is the bias or, without one, x: always y's dtype
+        pre = acc.to(out_ty)
         if STORE_PRE:
             pre_desc.store([off_m, off_n], pre)
         y = _act_fwd(pre.to(tl.float32), ACT)
-        y_desc.store([off_m, off_n], y.to(y_desc.dtype))
+        y_desc.store([off_m, off_n], y.to(out_ty))
 
 
 def _tma_ok(*tensors):
