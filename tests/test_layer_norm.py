@@ -85,6 +85,9 @@ def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=F
         if t is None:
             continue
         assert t.grad is not None and t.grad.dtype == orig.dtype, f"{what} {name} dtype"
+        if t64.grad.abs().max() == 0:  # e.g. LayerNorm's dx at N = 1: no relative error to speak of
+            assert t.grad.abs().max() <= 1e-3, f"{what} {name}: {t.grad.abs().max()} where 0 is exact"
+            continue
         assert_rel_close(t.grad, t64.grad, orig.dtype if orig.dtype != torch.float32 else x.dtype,
                          factor=GRAD_FACTOR * factor, what=f"{what} {name}")
     for t, t0 in zip(leaves, before):
@@ -181,8 +184,9 @@ def test_triton_interpret(is_rms, dtype, pdtype):
         _check(is_rms, x, w, b, "triton", eps=_eps(n))
     x, w, b = _inputs(6, 48, dtype, "cpu", pdtype, mean=1000.0)
     x[2] = 0
-    # fp32 at mean 1000: x - mean itself carries ~1e-5 relative rounding (as torch's fp32 does)
-    f = 5 if dtype == torch.float32 else 1
+    # fp32 at mean 1000: the fp32 row sum (~5e4, ulp 4e-3) puts ~1e-4 relative error into x - mean,
+    # as in any fp32 implementation (torch's included); 16-bit outputs round far above that
+    f = 20 if dtype == torch.float32 else 1
     _check(is_rms, x, w, b, "triton", factor=f)
     _check(is_rms, x, None, None, "triton", factor=f)
 
@@ -390,8 +394,9 @@ def test_gpu_sizes(backend, n, is_rms):
     x, w, b = _inputs(_rows(n), n, torch.bfloat16, "cuda", torch.float32)
     x[1] = 0  # an all-zero row
     _check(is_rms, x, w, b, backend, eps=_eps(n))
-    x, w, b = _inputs(_rows(n), n, torch.float16, "cuda", mean=1000.0)  # large mean + noise
-    _check(is_rms, x, w, b, backend, eps=_eps(n))
+    if n > 1:  # (at N = 1 and mean 1000, RMSNorm's dx ~ 1e-9 is below fp16's range)
+        x, w, b = _inputs(_rows(n), n, torch.float16, "cuda", mean=1000.0)  # large mean + noise
+        _check(is_rms, x, w, b, backend, eps=_eps(n))
 
 
 @pytest.mark.gpu

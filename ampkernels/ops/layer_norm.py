@@ -34,11 +34,7 @@ def _stat_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32  # float64: reference only
 
 
-@torch.library.custom_op("ampkernels::norm_fwd", mutates_args=())
-def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
-             is_rms: bool, out_dtype: Optional[torch.dtype], residual_in_fp32: bool,
-             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, residual_out, mean, rstd) for a 2-D contiguous x; absent outputs are empty."""
+def _fwd_impl(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend):
     if backend == "cuda":
         return torch.ops.ampkernels.norm_fwd_cuda(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32)
     if backend == "triton":
@@ -49,6 +45,14 @@ def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residu
     empty = x.new_empty(0, dtype=_stat_dtype(x))
     return (out, x.new_empty(0) if res_out is None else res_out, empty if mean is None else mean.contiguous(),
             rstd.contiguous())
+
+
+@torch.library.custom_op("ampkernels::norm_fwd", mutates_args=())
+def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+             is_rms: bool, out_dtype: Optional[torch.dtype], residual_in_fp32: bool,
+             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, residual_out, mean, rstd) for a 2-D contiguous x; absent outputs are empty."""
+    return _fwd_impl(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend)
 
 
 @norm_fwd.register_fake
@@ -63,14 +67,8 @@ def _(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backe
             x.new_empty(rows, dtype=stat))
 
 
-@torch.library.custom_op("ampkernels::norm_bwd", mutates_args=())
-def norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
-             dresidual_out: Optional[Tensor], is_rms: bool, want_dweight: bool, want_dbias: bool,
-             dx_dtype: torch.dtype, dresidual_dtype: Optional[torch.dtype], param_dtype: Optional[torch.dtype],
-             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dresidual, dweight, dbias). x is what the forward normalised (x or the residual
-    sum). dresidual is empty unless its dtype differs from dx's (then dx serves for both);
-    dweight/dbias are empty unless asked for."""
+def _bwd_impl(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype,
+              dresidual_dtype, param_dtype, backend):
     if backend == "cuda":
         return torch.ops.ampkernels.norm_bwd_cuda(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight,
                                                   want_dbias, dx_dtype, dresidual_dtype, param_dtype)
@@ -89,6 +87,18 @@ def norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd
             x.new_empty(0, dtype=pd) if db is None else db)
 
 
+@torch.library.custom_op("ampkernels::norm_bwd", mutates_args=())
+def norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
+             dresidual_out: Optional[Tensor], is_rms: bool, want_dweight: bool, want_dbias: bool,
+             dx_dtype: torch.dtype, dresidual_dtype: Optional[torch.dtype], param_dtype: Optional[torch.dtype],
+             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dresidual, dweight, dbias). x is what the forward normalised (x or the residual
+    sum). dresidual is empty unless its dtype differs from dx's (then dx serves for both);
+    dweight/dbias are empty unless asked for."""
+    return _bwd_impl(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype,
+                     dresidual_dtype, param_dtype, backend)
+
+
 @norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype, dresidual_dtype,
       param_dtype, backend):
@@ -101,6 +111,16 @@ def _(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias
             x.new_empty(n if want_dbias else 0, dtype=pd))
 
 
+# Eager calls skip the custom-op dispatcher (tens of microseconds of host time per call, as
+# much as a 2^27-element kernel takes); torch.compile and opcheck see the custom ops.
+def _fwd_op():
+    return torch.ops.ampkernels.norm_fwd if torch.compiler.is_compiling() else _fwd_impl
+
+
+def _bwd_op():
+    return torch.ops.ampkernels.norm_bwd if torch.compiler.is_compiling() else _bwd_impl
+
+
 class NormFunction(torch.autograd.Function):
     """out = norm(x [+ residual]) over the last dim of 2-D contiguous tensors; returns out, or
     (out, residual_out) when a residual is given."""
@@ -111,8 +131,8 @@ class NormFunction(torch.autograd.Function):
         bias_k = bias
         if bias is not None and weight is not None and bias.dtype != weight.dtype:
             bias_k = bias.to(weight.dtype)  # the kernels take one param dtype; dbias goes back to bias.dtype
-        out, res_out, mean, rstd = torch.ops.ampkernels.norm_fwd(x, weight, bias_k, residual, eps, is_rms, out_dtype,
-                                                                 residual_in_fp32, backend)
+        out, res_out, mean, rstd = _fwd_op()(x, weight, bias_k, residual, eps, is_rms, out_dtype, residual_in_fp32,
+                                             backend)
         # backward re-reads what was normalised: x, or the stored residual sum
         ctx.save_for_backward(res_out if residual is not None else x, weight, mean, rstd)
         ctx.set_materialize_grads(False)
@@ -133,7 +153,7 @@ class NormFunction(torch.autograd.Function):
             dout = torch.zeros(x.shape, dtype=ctx.out_dtype, device=x.device)  # only residual_out was used
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        dx, dres, dw, db = torch.ops.ampkernels.norm_bwd(
+        dx, dres, dw, db = _bwd_op()(
             dout.contiguous(), x, weight, mean, rstd, None if dres_out is None else dres_out.contiguous(),
             ctx.is_rms, want_dw, want_db, ctx.x_dtype, ctx.residual_dtype, ctx.param_dtype, ctx.backend)
         grad_res = None
@@ -194,8 +214,15 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
     x2 = x.reshape(-1, n).contiguous()  # strided views are copied, never read wrongly
     flat = lambda t: None if t is None else t.reshape(-1).contiguous()  # noqa: E731
     res2 = None if residual is None else residual.reshape(-1, n).contiguous()
-    result = NormFunction.apply(x2, flat(weight), flat(bias), res2, float(eps), is_rms, out_dtype,
-                                bool(residual_in_fp32), name)
+    w2, b2 = flat(weight), flat(bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w2, b2, res2)):
+        result = NormFunction.apply(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32), name)
+    else:  # inference: the forward alone, nothing saved
+        if b2 is not None and w2 is not None and b2.dtype != w2.dtype:
+            b2 = b2.to(w2.dtype)
+        out, res_out, _, _ = _fwd_op()(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32),
+                                       name)
+        result = out if res2 is None else (out, res_out)
     if residual is None:
         return result.reshape(x.shape)
     out, res_out = result

@@ -238,6 +238,7 @@ def _sms(device):
         if device.type == "cuda" else 2  # TRITON_INTERPRET=1 on CPU tensors
 
 
+@functools.lru_cache(None)
 def _fwd_config(n):
     """(BLOCK_N, ROWS, num_warps): about 16 elements per thread; several rows per program for small N."""
     block = triton.next_power_of_2(n)
@@ -245,10 +246,18 @@ def _fwd_config(n):
     return block, rows, min(16, max(4, block * rows // 512))
 
 
+@functools.lru_cache(None)
 def _bwd_config(n):
     block = triton.next_power_of_2(n)
     rows = min(64, max(1, 1024 // block))
     return block, rows, min(16, max(4, block * rows // 512))
+
+
+def _device_ctx(x):
+    # Triton launches on the current device; switch only when x lives elsewhere (saves host time)
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 def _check_2d(x, name):
@@ -274,7 +283,7 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
             rstd if is_rms else mean, rstd, M, N, eps)
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
     block, rows, warps = _fwd_config(N)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with _device_ctx(x):
         if block <= _MAX_FWD_BLOCK:
             _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
         else:
@@ -313,7 +322,7 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
             dw_p if want_dweight else dummy, db_p if want_dbias else dummy, M, N, rows_per_prog)
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DRO=dresidual_out is not None,
                  HAS_DRES=dres.numel() > 0, WANT_DW=want_dweight, WANT_DB=want_dbias)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+    with _device_ctx(x):
         if looped:
             _norm_bwd_looped_kernel[(progs,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=warps)
         else:
