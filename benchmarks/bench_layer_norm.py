@@ -64,7 +64,11 @@ def _fwd_bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, b
             return fn(x, w, b)
 
     fwd()  # compile / warm up outside the timing
-    _record(recorder, op, provider, "fwd", x.dtype, n, m, bench(fwd, **timing), 2 * m * n * e)
+    row = _record(recorder, op, provider, "fwd", x.dtype, n, m, bench(fwd, **timing), 2 * m * n * e)
+    if provider.startswith("ampkernels-"):
+        # the same forward replayed from a CUDA graph: the kernels without host time (diagnostic)
+        row["graph_TBps"] = round(2 * m * n * e / _graph_ms(fwd, timing) / 1e9, 3)
+        print(f"    {provider} fwd graph replay: {row['graph_TBps']} TB/s", flush=True)
     if not bwd:
         return
     leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
@@ -76,6 +80,65 @@ def _fwd_bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, b
     _record(recorder, op, provider, "bwd", x.dtype, n, m,
             bench(lambda: out.backward(dy, retain_graph=True), grad_to_none=leaves, **timing), 3 * m * n * e)
     del out
+
+
+def _graph_ms(fn, timing):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay, **timing)[0]
+
+
+# N: ([(ROWS, num_warps) forward], [(ROWS, num_warps) backward]); each pair is one Triton compile
+SWEEP = {768: ([(2, 4), (4, 4), (4, 8), (8, 8), (8, 16)], [(1, 4), (2, 4), (4, 8), (8, 8), (8, 16)]),
+         2048: ([(1, 4), (1, 8), (2, 8), (4, 8), (4, 16)], [(1, 4), (1, 8), (2, 8), (2, 16), (4, 16)]),
+         8192: ([(1, 8), (1, 16), (1, 32)], [(1, 8), (1, 16), (1, 32)]),
+         16384: ([(1, 8), (1, 16), (1, 32)], [(1, 16), (1, 32)])}
+
+
+def sweep(recorder, ns=QUICK_NS, dtype=torch.float16):
+    """Triton launch configurations (ROWS, num_warps, programs per SM, looped) for the
+    LayerNorm launchers alone, timed side by side: the data behind _fwd_config/_bwd_config."""
+    import triton
+    from ampkernels.triton import layer_norm as tln
+
+    fwd_config, bwd_config = tln._fwd_config, tln._bwd_config
+    try:
+        for n in ns:
+            m = TOTAL // n
+            block = triton.next_power_of_2(n)
+            x = torch.randn(m, n, device="cuda", dtype=dtype)
+            dy = torch.randn_like(x)
+            w, b = torch.rand(n, device="cuda", dtype=dtype) + 0.5, torch.randn(n, device="cuda", dtype=dtype)
+            fcands = SWEEP[n][0]
+            for rows, warps in fcands:
+                tln._fwd_config = lambda _n, c=(block, rows, warps): c
+                fn = lambda: tln.norm_fwd(x, w, b, None, 1e-5, False, None, False)  # noqa: E731
+                guard(recorder, "sweep", lambda: recorder.add(
+                    op="layer_norm", provider=f"sweep-triton-r{rows}-w{warps}", **{"pass": "fwd"},
+                    dtype=str(dtype)[6:], N=n, M=m, metric="TB/s-sweep",
+                    value=round(2 * m * n * 2 / bench(fn, warmup=5, rep=20)[0] / 1e9, 3)))
+            mean, rstd = tln.norm_fwd(x, w, b, None, 1e-5, False, None, False)[2:]
+            bcands = [(block, r, wp, ps, False) for r, wp in SWEEP[n][1] for ps in (1, 2, 4, 8) if 16 <= wp * ps <= 64]
+            if n >= 8192:
+                bcands += [(4096, 1, 16, 1, True), (4096, 1, 8, 2, True)]
+            for cfg in bcands:
+                tln._bwd_config = lambda _n, c=cfg: c
+                fn = lambda: tln.norm_bwd(dy, x, w, mean, rstd, None, False, True, True, dtype, None, None)  # noqa
+                guard(recorder, "sweep", lambda: recorder.add(
+                    op="layer_norm", provider="sweep-triton-r%d-w%d-p%d%s" % (cfg[1], cfg[2], cfg[3],
+                                                                               "-looped" if cfg[4] else ""),
+                    **{"pass": "bwd"}, dtype=str(dtype)[6:], N=n, M=m, metric="TB/s-sweep",
+                    value=round(3 * m * n * 2 / bench(fn, warmup=5, rep=20)[0] / 1e9, 3)))
+            del x, dy
+            torch.cuda.empty_cache()
+    finally:
+        tln._fwd_config, tln._bwd_config = fwd_config, bwd_config
 
 
 def run(recorder, dtypes=(torch.float16, torch.bfloat16), quick=False):
@@ -161,12 +224,16 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
+    p.add_argument("--sweep", action="store_true", help="only time Triton launch configurations")
     args = p.parse_args(argv)
     recorder = Recorder(args.out)
     env = environment()
     print(f"bench_layer_norm on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (see `ampkernels bench` for the CPU demo)")
+        return 0
+    if args.sweep:
+        sweep(recorder)
         return 0
     run(recorder, [getattr(torch, d) for d in args.dtype], args.quick)
     text = "\n".join(report(recorder.rows))

@@ -248,9 +248,13 @@ def _fwd_config(n):
 
 @functools.lru_cache(None)
 def _bwd_config(n):
+    """(BLOCK_N, ROWS, num_warps, programs per SM, looped)."""
     block = triton.next_power_of_2(n)
+    if block > _MAX_BWD_BLOCK:
+        return _LOOP_BLOCK, 1, 16, 1, True
     rows = min(64, max(1, 1024 // block))
-    return block, rows, min(16, max(4, block * rows // 512))
+    warps = min(16, max(4, block * rows // 512))
+    return block, rows, warps, max(1, 32 // warps), False
 
 
 def _device_ctx(x):
@@ -306,11 +310,7 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
     db = torch.empty(N if want_dbias else 0, dtype=param_dtype, device=x.device)
     if M == 0 or N == 0:
         return dx, dres, dw.zero_(), db.zero_()
-    block, rows, warps = _bwd_config(N)
-    looped = block > _MAX_BWD_BLOCK
-    if looped:
-        rows, warps = 1, 16
-    per_sm = 1 if looped else max(1, 32 // warps)
+    block, rows, warps, per_sm, looped = _bwd_config(N)
     progs = min(triton.cdiv(M, rows), _sms(x.device) * per_sm)
     rows_per_prog = triton.cdiv(triton.cdiv(M, progs), rows) * rows
     progs = triton.cdiv(M, rows_per_prog)
@@ -324,7 +324,7 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
                  HAS_DRES=dres.numel() > 0, WANT_DW=want_dweight, WANT_DB=want_dbias)
     with _device_ctx(x):
         if looped:
-            _norm_bwd_looped_kernel[(progs,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=warps)
+            _norm_bwd_looped_kernel[(progs,)](*args, **flags, BLOCK_N=block, num_warps=warps)
         else:
             _norm_bwd_kernel[(progs,)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
         for p, out in ((dw_p, dw), (db_p, db)):
