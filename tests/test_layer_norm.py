@@ -301,12 +301,39 @@ def test_unsupported_inputs_fall_back_to_the_reference(monkeypatch):
     layer_norm(xb, 16, w.half(), None)
     rms_norm(x.float(), 16)
     assert seen[0][0] == "layer_norm" and "neither" in seen[0][2]
-    assert seen[1] == ("rms_norm", ("cuda", "triton"), None)
+    assert seen[2:] == [("rms_norm", ("triton", "cuda"), None)] * 2  # forward, then backward choice
+
+
+def test_auto_preference_per_pass():
+    x = randn(2, 8)
+    assert ln._preference(x, 768, "fwd") == ln._preference(x, 16384, "fwd") == ("triton", "cuda")
+    assert ln._preference(x, 2048, "bwd") == ("triton", "cuda")
+    assert ln._preference(x, 16384, "bwd") == ("cuda", "triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_forward_and_backward_backends_can_differ(is_rms):
+    """What "auto" relies on: one backend's saved tensors feed the other's backward."""
+    _interp()
+    x, w, b = _inputs(6, 40, torch.float16, "cpu", torch.float32)
+    r = randn(6, 40, dtype=torch.float16)
+    grads = []
+    for fwd_be, bwd_be in (("triton", "torch"), ("torch", "triton"), ("torch", "torch")):
+        ins = [t.detach().clone().requires_grad_() for t in (x, w, b, r)]
+        out, s = ln.NormFunction.apply(ins[0], ins[1], None if is_rms else ins[2], ins[3], 1e-5, is_rms, None, True,
+                                       fwd_be, bwd_be)
+        (out.float().square().sum() + s.sum()).backward()
+        grads.append([t.grad for t in ins])
+    for got in grads[:2]:
+        for a, c in zip(got, grads[2]):
+            if c is not None:
+                assert_rel_close(a, c.double(), a.dtype if a.dtype != torch.float32 else torch.float16)
 
 
 def test_auto_on_cpu_runs_torch():
     x, w, b = _inputs(4, 16, torch.float32, "cpu")
-    assert backends.select("layer_norm", None, x.device, ln._preference(x, 16)) == "torch"
+    assert backends.select("layer_norm", None, x.device, ln._preference(x, 16, "fwd")) == "torch"
 
 
 @pytest.mark.parametrize("is_rms", [False, True])

@@ -123,11 +123,12 @@ def _bwd_op():
 
 class NormFunction(torch.autograd.Function):
     """out = norm(x [+ residual]) over the last dim of 2-D contiguous tensors; returns out, or
-    (out, residual_out) when a residual is given."""
+    (out, residual_out) when a residual is given. backend runs the forward, bwd_backend the
+    backward (the same one unless "auto" chose per pass)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend):
+    def forward(ctx, x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend, bwd_backend):
         bias_k = bias
         if bias is not None and weight is not None and bias.dtype != weight.dtype:
             bias_k = bias.to(weight.dtype)  # the kernels take one param dtype; dbias goes back to bias.dtype
@@ -136,7 +137,7 @@ class NormFunction(torch.autograd.Function):
         # backward re-reads what was normalised: x, or the stored residual sum
         ctx.save_for_backward(res_out if residual is not None else x, weight, mean, rstd)
         ctx.set_materialize_grads(False)
-        ctx.is_rms, ctx.backend, ctx.x_dtype, ctx.out_dtype = is_rms, backend, x.dtype, out.dtype
+        ctx.is_rms, ctx.backend, ctx.x_dtype, ctx.out_dtype = is_rms, bwd_backend, x.dtype, out.dtype
         ctx.has_residual = residual is not None
         ctx.residual_dtype = residual.dtype if residual is not None else None
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -160,11 +161,20 @@ class NormFunction(torch.autograd.Function):
         if ctx.has_residual and ctx.needs_input_grad[3]:
             grad_res = dres if ctx.residual_dtype != ctx.x_dtype else dx
         return (dx if ctx.needs_input_grad[0] else None, dw if want_dw else None,
-                db.to(ctx.bias_dtype) if want_db else None, grad_res, None, None, None, None, None)
+                db.to(ctx.bias_dtype) if want_db else None, grad_res, None, None, None, None, None, None)
 
 
-def _preference(x, n):
-    """Backends "auto" tries, fastest first (benchmarks/bench_layer_norm.py measures both)."""
+def _preference(x, n, pas="fwd"):
+    """Backends "auto" tries for one pass ("fwd" or "bwd"), fastest first.
+
+    Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
+    the forward on one and the backward on the other. From benchmarks/bench_layer_norm.py on an
+    H200 (fp16, M*N = 2^27, N = 768..16384, LayerNorm and RMSNorm side by side): the Triton
+    forward was faster at every N (3.5-4.0 TB/s against 2.1-3.4); the Triton backward at N <=
+    2048 (2.4-2.9 against 2.0-2.8), the CUDA backward at N >= 8192 (1.8-2.6 against 1.0-2.1).
+    """
+    if pas == "fwd" or n <= 4096:
+        return ("triton", "cuda")
     return ("cuda", "triton")
 
 
@@ -209,14 +219,16 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
         for name, p in (("weight", weight), ("bias", bias)):
             if p is not None and p.dtype not in (x.dtype, torch.float32):
                 unsupported = f"{name} dtype {p.dtype} is neither x's ({x.dtype}) nor float32"
-    name = backends.select(op, backend, x.device, _preference(x, n), unsupported)
+    name = backends.select(op, backend, x.device, _preference(x, n, "fwd"), unsupported)
+    bwd_name = backends.select(op, backend, x.device, _preference(x, n, "bwd"), unsupported)
 
     x2 = x.reshape(-1, n).contiguous()  # strided views are copied, never read wrongly
     flat = lambda t: None if t is None else t.reshape(-1).contiguous()  # noqa: E731
     res2 = None if residual is None else residual.reshape(-1, n).contiguous()
     w2, b2 = flat(weight), flat(bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w2, b2, res2)):
-        result = NormFunction.apply(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32), name)
+        result = NormFunction.apply(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32), name,
+                                    bwd_name)
     else:  # inference: the forward alone, nothing saved
         if b2 is not None and w2 is not None and b2.dtype != w2.dtype:
             b2 = b2.to(w2.dtype)
