@@ -12,7 +12,6 @@ capture, opcheck, NaN/Inf, empty batches, and a tensor over 2^31 elements.
 Tolerances (tests/utils.py TOL): relative Frobenius error vs float64, fp16 1e-3, bf16 8e-3,
 fp32 1e-5; gradients factor 2 (one more rounding of dx, sums over many rows).
 """
-import contextlib
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from ampkernels import _extension, backends, reference
 from ampkernels.ops import layer_norm as ln
 from ampkernels.ops.layer_norm import layer_norm, rms_norm
-from tests.utils import TOL, assert_rel_close, randn
+from tests.utils import assert_rel_close, randn
 
 HAS_CUDA = torch.cuda.is_available()
 GRAD_FACTOR = 2
@@ -603,3 +602,13 @@ def test_gpu_64bit_indexing():
         assert_rel_close(out[tail], F.layer_norm(x[tail].double(), (n,), w.double()), torch.float16)
         del out
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1024, 8192])
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_gpu_auto_per_pass_backends(n, is_rms):
+    """"auto" may run the forward on Triton and the backward on CUDA (N > 4096): still exact."""
+    x, w, b = _inputs(_rows(n), n, torch.bfloat16, "cuda", torch.float32)
+    _check(is_rms, x, w, b, None, residual=randn(*x.shape, device="cuda"), residual_in_fp32=True)
+    _check(is_rms, x, w, b, None)
