@@ -46,11 +46,11 @@ def _module(op, n):
     return lambda x, w, b: m(x)
 
 
-def _record(recorder, op, provider, pas, dtype, n, m, ms, nbytes):
+def _record(recorder, op, provider, pas, dtype, n, m, ms, nbytes, **extra):
     med, p20, p80 = ms
     return recorder.add(op=op, provider=provider, **{"pass": pas}, dtype=str(dtype).replace("torch.", ""), N=n, M=m,
                         shape=f"{m}x{n}", metric="TB/s", value=round(nbytes / med / 1e9, 3), ms=round(med, 4),
-                        ms_p20=round(p20, 4), ms_p80=round(p80, 4))
+                        ms_p20=round(p20, 4), ms_p80=round(p80, 4), **extra)
 
 
 def _fwd_bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, bwd=True):
@@ -64,11 +64,11 @@ def _fwd_bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, b
             return fn(x, w, b)
 
     fwd()  # compile / warm up outside the timing
-    row = _record(recorder, op, provider, "fwd", x.dtype, n, m, bench(fwd, **timing), 2 * m * n * e)
+    extra = {}
     if provider.startswith("ampkernels-"):
         # the same forward replayed from a CUDA graph: the kernels without host time (diagnostic)
-        row["graph_TBps"] = round(2 * m * n * e / _graph_ms(fwd, timing) / 1e9, 3)
-        print(f"    {provider} fwd graph replay: {row['graph_TBps']} TB/s", flush=True)
+        extra["graph_TBps"] = round(2 * m * n * e / _graph_ms(fwd, timing) / 1e9, 3)
+    _record(recorder, op, provider, "fwd", x.dtype, n, m, bench(fwd, **timing), 2 * m * n * e, **extra)
     if not bwd:
         return
     leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
