@@ -39,6 +39,12 @@ def test_custom_ops_and_autograd_cpu(activation):
     _check("torch", activation, torch.float32, "cpu", factor=10)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: Triton interpreter")
+@pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
+def test_triton_interpreter_cpu(activation):
+    _check("triton", activation, torch.float16, "cpu", m=19, factor=4)
+
+
 def test_no_bias_cpu():
     _check("torch", "gelu", torch.float32, "cpu", bias=False, factor=10)
 

@@ -6,8 +6,9 @@ second GEMM and dropped; backward recomputes it from the pre-activation with one
 elementwise pass. Eager Linear -> act -> Linear keeps both (two hidden-sized tensors).
 
 Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
-storing the pre-activation, then a cuBLAS GEMM + bias. Backward: cuBLAS GEMMs around the
-bias_act kernels (recompute h; dpre = dh * act'(pre) with dbias in fp32). Pieces in data order: custom ops
+storing the pre-activation, then a GEMM + bias. Backward: h recomputed by the bias_act
+kernel, then linear_act's backward for each layer (act' applied to dh on the fly, bias
+gradients accumulated in fp32). Pieces in data order: custom ops
 (forward, backward) with fakes -> autograd Function -> functional API.
 """
 from typing import Optional
@@ -17,14 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, reference
-from .bias_act import bias_act_bwd, bias_act_fwd
-from .linear_act import linear_act_fwd
+from .bias_act import bias_act_fwd
+from .linear_act import linear_act_bwd, linear_act_fwd
 
 _DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _elementwise_backend(backend):
-    return "cuda" if backend == "cuda" else "torch"
 
 
 @torch.library.custom_op("ampkernels::fused_mlp_fwd", mutates_args=())
@@ -46,15 +43,14 @@ def fused_mlp_bwd(dout: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, 
                   b1_dtype: Optional[torch.dtype], b2_dtype: Optional[torch.dtype],
                   backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw1, db1, dw2, db2); a bias gradient is empty when its dtype is None."""
-    elementwise = _elementwise_backend(backend)
-    h, _ = bias_act_fwd(pre, None, activation, False, elementwise)  # recompute the post-activation
-    dw2 = dout.t().mm(h)
+    # recompute the post-activation: the one elementwise pass that saves a hidden-sized tensor
+    h, _ = bias_act_fwd(pre, None, activation, False, "cuda" if backend == "cuda" else "torch")
+    # second layer (identity), then the first with act' applied to dh on the fly: linear_act's
+    # backward (cuda: bias gradient fused into the weight-gradient GEMM)
+    dh, dw2, db2 = linear_act_bwd(dout, h, w2, None, "identity", True, True, b2_dtype is not None, backend)
     del h
-    db2 = dout.new_empty(0) if b2_dtype is None else dout.sum(0, dtype=torch.float32).to(b2_dtype)
-    dh = dout.mm(w2)
-    dpre, db1 = bias_act_bwd(dh, pre, activation, b1_dtype, elementwise)
-    del dh
-    return dpre.mm(w1), dpre.t().mm(x), db1, dw2, db2
+    dx, dw1, db1 = linear_act_bwd(dh, x, w1, pre, activation, True, True, b1_dtype is not None, backend)
+    return dx, dw1, db1, dw2, db2
 
 
 @fused_mlp_bwd.register_fake
