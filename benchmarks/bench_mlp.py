@@ -4,7 +4,8 @@ step = forward + backward. Same block as ../shared/baselines/baseline.py "block"
 
 Providers: fp32 eager, AMP fp16/bf16 eager, AMP fp16 torch.compile, and ampkernels under
 AMP: the eager block after nn.convert() (LayerNorm + fused Linear/GELU), and LayerNorm +
-nn.FusedMLP (one hidden-sized tensor saved). Rows: ms per step, peak extra memory (MiB
+nn.FusedMLP (one hidden-sized tensor saved); both norms emit the autocast dtype
+(out_dtype="autocast"), since their output only feeds the first matmul. Rows: ms per step, peak extra memory (MiB
 above the inputs and weights), tokens/s.
 """
 import argparse
@@ -29,8 +30,9 @@ def _providers(hidden):
     torch.manual_seed(0)
     eager = _eager_block(hidden).cuda()
     converted = copy.deepcopy(eager)
-    aknn.convert(converted)
-    fused = torch.nn.Sequential(aknn.LayerNorm(hidden), aknn.FusedMLP(hidden, 4 * hidden, activation="gelu_tanh"))
+    aknn.convert(converted, norm_out_dtype="autocast")  # the norm feeds a matmul: emit fp16/bf16
+    fused = torch.nn.Sequential(aknn.LayerNorm(hidden, out_dtype="autocast"),
+                                aknn.FusedMLP(hidden, 4 * hidden, activation="gelu_tanh"))
     fused.load_state_dict(_fused_keys(eager.state_dict()))
     fused.cuda()
     return [("fp32", eager, None), ("amp_fp16", eager, torch.float16), ("amp_bf16", eager, torch.bfloat16),

@@ -71,6 +71,18 @@ def test_state_dict_and_repr_are_torchs():
     assert "activation='relu'" in repr(lin) and isinstance(lin, torch.nn.Linear)
 
 
+def test_norm_out_dtype_option():
+    x = torch.randn(4, 64)
+    ln = aknn.LayerNorm(64, out_dtype="autocast")
+    assert ln(x).dtype == torch.float32  # autocast off: input dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ln(x).dtype == torch.bfloat16
+        assert_rel_close(ln(x), torch.nn.functional.layer_norm(x.double(), (64,)), torch.bfloat16)
+    assert aknn.RMSNorm(64, out_dtype=torch.float16)(x).dtype == torch.float16
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        aknn.LayerNorm(64, out_dtype="half")(x)
+
+
 def test_module_rejects_unknown_activation():
     with pytest.raises(ValueError, match="activation must be one of"):
         aknn.Linear(4, 4, activation="tanh")

@@ -74,19 +74,19 @@ class ConvertReport:
         return "\n".join(lines)
 
 
-def _new_layer_norm(old, backend):
+def _new_layer_norm(old, backend, out_dtype):
     new = LayerNorm(old.normalized_shape, old.eps, old.elementwise_affine, old.bias is not None, device="meta",
-                    backend=backend)
+                    backend=backend, out_dtype=out_dtype)
     new.weight, new.bias = old.weight, old.bias
     return new
 
 
-def _new_rms_norm(old, backend):
+def _new_rms_norm(old, backend, out_dtype):
     eps = getattr(old, "eps", None)
     if eps is None and hasattr(old, "variance_epsilon"):
         eps = old.variance_epsilon
     shape = getattr(old, "normalized_shape", None) or tuple(old.weight.shape)
-    new = RMSNorm(shape, eps, True, device="meta", backend=backend)
+    new = RMSNorm(shape, eps, True, device="meta", backend=backend, out_dtype=out_dtype)
     new.weight = old.weight
     return new
 
@@ -127,12 +127,13 @@ def _fuse_projection(proj, act, backend):
     return None
 
 
-def convert(model, *, norms=True, linears=True, backend=None, verbose=False):
+def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=None, verbose=False):
     """Swap recognised norms and Linear->activation pairs in `model` (in place).
 
     norms / linears: restrict what is converted. backend: stored on every new module
-    (None = "auto"). Returns (model, ConvertReport). A model with nothing recognised is
-    returned unchanged.
+    (None = "auto"). norm_out_dtype: the new norms' out_dtype (see ampkernels.nn.LayerNorm;
+    "autocast" suits transformers whose norm outputs only feed matmuls). Returns
+    (model, ConvertReport). A model with nothing recognised is returned unchanged.
     """
     if backend is not None:
         from ..backends import requested
@@ -162,9 +163,9 @@ def convert(model, *, norms=True, linears=True, backend=None, verbose=False):
         if norms:
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.LayerNorm:
-                    new = _new_layer_norm(child, backend)
+                    new = _new_layer_norm(child, backend, norm_out_dtype)
                 elif type(child) is torch.nn.RMSNorm or _is_hf_rms_norm(child):
-                    new = _new_rms_norm(child, backend)
+                    new = _new_rms_norm(child, backend, norm_out_dtype)
                 else:
                     continue
                 setattr(parent, name, new)

@@ -3,6 +3,11 @@ state_dict keys and repr; only forward changes. Inputs the kernels do not take (
 float64, ...) run the torch reference path inside the ops, unnoticed by the caller.
 
 `backend` (None = "auto" / AMPKERNELS_BACKEND) is a plain attribute, not state.
+
+Norms also take `out_dtype`: None keeps the input dtype (the op's contract); a dtype
+forces one; "autocast" gives the autocast dtype while autocast is on (else the input
+dtype) -- for an fp32 residual stream whose norm output only feeds matmuls, which would
+cast it anyway: the norm then writes half the bytes and the cast kernel disappears.
 """
 import torch
 
@@ -12,27 +17,39 @@ from ..ops.linear_act import linear_act
 from ..ops.mlp import fused_mlp
 
 
+def _resolve_out_dtype(out_dtype, x):
+    if out_dtype == "autocast":
+        on = torch.is_autocast_enabled(x.device.type)
+        return torch.get_autocast_dtype(x.device.type) if on and x.is_floating_point() else None
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise ValueError(f"out_dtype must be None, a torch.dtype or 'autocast', got {out_dtype!r}")
+    return out_dtype
+
+
 class LayerNorm(torch.nn.LayerNorm):
     """torch.nn.LayerNorm whose output keeps the input dtype under autocast (fp32 math inside)."""
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None, *,
-                 backend=None):
+                 backend=None, out_dtype=None):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        self.backend = backend
+        self.backend, self.out_dtype = backend, out_dtype
 
     def forward(self, x):
-        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, backend=self.backend)
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                          out_dtype=_resolve_out_dtype(self.out_dtype, x), backend=self.backend)
 
 
 class RMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm whose output keeps the input dtype under autocast (fp32 math inside)."""
 
-    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *, backend=None):
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *, backend=None,
+                 out_dtype=None):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
-        self.backend = backend
+        self.backend, self.out_dtype = backend, out_dtype
 
     def forward(self, x):
-        return rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self.backend)
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps,
+                        out_dtype=_resolve_out_dtype(self.out_dtype, x), backend=self.backend)
 
 
 class Linear(torch.nn.Linear):
