@@ -30,6 +30,7 @@ from torch import Tensor
 from .. import backends, reference
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_ACT_SET = frozenset(reference.ACTIVATIONS)
 
 
 def _eager(x, weight, bias, activation):
@@ -40,21 +41,28 @@ def _eager(x, weight, bias, activation):
 
 # ---------------------------------------------------------------- forward custom op
 
-@torch.library.custom_op("ampkernels::linear_act_fwd", mutates_args=())
-def linear_act_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, store_pre: bool,
-                   backend: str) -> tuple[Tensor, Tensor]:
-    """(y, pre) for 2-D contiguous x (M, K), weight (N, K); pre = x W^T + b in x's dtype when
-    store_pre, else an empty (0, 0) tensor."""
+def _fwd_impl(x, weight, bias, activation, store_pre, backend):
     act = reference.activation_id(activation)
     if backend == "cuda":
         return torch.ops.ampkernels.linear_act_fwd_cuda(x, weight, bias, act, store_pre, True)
     if backend == "triton":
         from ..triton import linear_act as tk
         return tk.linear_act_fwd(x, weight, bias, act, store_pre)
-    with torch.autocast(x.device.type, enabled=False):
+    if torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            z, y = _eager(x, weight, bias, activation)
+    else:
         z, y = _eager(x, weight, bias, activation)
     pre = z.clone() if store_pre and activation == "identity" else z  # outputs must not alias
     return y.contiguous(), (pre.contiguous() if store_pre else x.new_empty(0, 0))
+
+
+@torch.library.custom_op("ampkernels::linear_act_fwd", mutates_args=())
+def linear_act_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, store_pre: bool,
+                   backend: str) -> tuple[Tensor, Tensor]:
+    """(y, pre) for 2-D contiguous x (M, K), weight (N, K); pre = x W^T + b in x's dtype when
+    store_pre, else an empty (0, 0) tensor."""
+    return _fwd_impl(x, weight, bias, activation, store_pre, backend)
 
 
 @linear_act_fwd.register_fake
@@ -65,13 +73,7 @@ def _(x, weight, bias, activation, store_pre, backend):
 
 # ---------------------------------------------------------------- backward custom op
 
-@torch.library.custom_op("ampkernels::linear_act_bwd", mutates_args=())
-def linear_act_bwd(dy: Tensor, x: Tensor, weight: Tensor, saved: Optional[Tensor], activation: str, need_dx: bool,
-                   need_dw: bool, need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dweight, dbias), each an empty (0,) tensor when not needed.
-
-    saved: the pre-activation (or ReLU's output; None for identity). dbias accumulated in fp32,
-    returned in x's dtype."""
+def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend):
     act = reference.activation_id(activation)
     if backend == "cuda":
         s = saved if saved is not None else dy.new_empty(0)
@@ -84,11 +86,22 @@ def linear_act_bwd(dy: Tensor, x: Tensor, weight: Tensor, saved: Optional[Tensor
         dz = dy if activation == "identity" else (dy.to(ct) * reference.act_grad(saved.to(ct), activation)).to(dy.dtype)
         db32 = dz.sum(0, dtype=ct) if need_db else None
     empty = dy.new_empty(0)
-    with torch.autocast(dy.device.type, enabled=False):
-        dx = dz.mm(weight) if need_dx else empty
-        dw = dz.t().mm(x) if need_dw else empty.clone()
+    # no autocast guard needed: dz, weight and x share the compute dtype, which the functional
+    # API made the autocast dtype, so autocast would not cast them
+    dx = dz.mm(weight) if need_dx else empty
+    dw = dz.t().mm(x) if need_dw else empty.clone()
     db = db32.to(dy.dtype) if need_db else empty.clone()
     return dx, dw, db
+
+
+@torch.library.custom_op("ampkernels::linear_act_bwd", mutates_args=())
+def linear_act_bwd(dy: Tensor, x: Tensor, weight: Tensor, saved: Optional[Tensor], activation: str, need_dx: bool,
+                   need_dw: bool, need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias), each an empty (0,) tensor when not needed.
+
+    saved: the pre-activation (or ReLU's output; None for identity). dbias accumulated in fp32,
+    returned in x's dtype."""
+    return _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend)
 
 
 @linear_act_bwd.register_fake
@@ -96,6 +109,32 @@ def _(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend):
     m, k, n = x.shape[0], x.shape[1], weight.shape[0]
     return (x.new_empty((m, k) if need_dx else (0,)), x.new_empty((n, k) if need_dw else (0,)),
             x.new_empty((n,) if need_db else (0,)))
+
+
+# ---------------------------------------------------------------- eager fast path
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager_call(*tensors):
+    """True when the call may skip the custom-op wrapper and run the implementation directly.
+
+    The custom op is what tracing needs (torch.compile, export, fake and other subclass tensors);
+    in plain eager mode its Python wrapper costs tens of microseconds per call, as much as a
+    small GEMM takes on the GPU. Both routes run the same implementation."""
+    return not torch.compiler.is_compiling() and all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+def _fwd(x, weight, bias, activation, store_pre, backend):
+    if _eager_call(x, weight, bias):
+        return _fwd_impl(x, weight, bias, activation, store_pre, backend)
+    return torch.ops.ampkernels.linear_act_fwd(x, weight, bias, activation, store_pre, backend)
+
+
+def _bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend):
+    if _eager_call(dy, x, weight, saved):
+        return _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend)
+    return torch.ops.ampkernels.linear_act_bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend)
 
 
 # ---------------------------------------------------------------- autograd
@@ -108,7 +147,7 @@ class LinearActFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, activation, backend, recompute):
         saves_hidden = activation != "identity" and not recompute
         store_pre = saves_hidden and activation != "relu"
-        y, pre = torch.ops.ampkernels.linear_act_fwd(x, weight, bias, activation, store_pre, backend)
+        y, pre = _fwd(x, weight, bias, activation, store_pre, backend)
         saved = (pre if store_pre else y) if saves_hidden else None
         ctx.save_for_backward(x, weight, bias if recompute else None, saved)
         ctx.activation, ctx.backend, ctx.recompute, ctx.has_bias = activation, backend, recompute, bias is not None
@@ -119,10 +158,10 @@ class LinearActFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias, saved = ctx.saved_tensors
         if ctx.recompute and ctx.activation != "identity":
-            saved, _ = torch.ops.ampkernels.linear_act_fwd(x, weight, bias, "identity", False, ctx.backend)
+            saved, _ = _fwd(x, weight, bias, "identity", False, ctx.backend)
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dx, dw, db = torch.ops.ampkernels.linear_act_bwd(dy.contiguous(), x, weight, saved, ctx.activation, need_dx,
-                                                         need_dw, need_db and ctx.has_bias, ctx.backend)
+        dx, dw, db = _bwd(dy.contiguous(), x, weight, saved, ctx.activation, need_dx, need_dw,
+                          need_db and ctx.has_bias, ctx.backend)
         return (dx if need_dx else None, dw if need_dw else None, db if need_db and ctx.has_bias else None,
                 None, None, None)
 
@@ -162,9 +201,11 @@ def _choose(backend, device, dtype, activation, bucket, unsupported):
 # ---------------------------------------------------------------- functional API
 
 def _check_args(x, weight, bias):
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and not isinstance(t, Tensor):
-            raise TypeError(f"linear_act: {name} must be a Tensor, got {type(t).__name__}")
+    # kept cheap: it runs on every call, and small GEMMs take less GPU time than a Python call
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or not (bias is None or isinstance(bias, Tensor)):
+        name, t = next((n, t) for n, t in (("x", x), ("weight", weight), ("bias", bias))
+                       if t is not None and not isinstance(t, Tensor))
+        raise TypeError(f"linear_act: {name} must be a Tensor, got {type(t).__name__}")
     if weight.dim() != 2:
         raise ValueError(f"linear_act: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -172,9 +213,11 @@ def _check_args(x, weight, bias):
                          f"(weight shape {tuple(weight.shape)}), got x shape {tuple(x.shape)}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"linear_act: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"linear_act: {name} is on {t.device} but x is on {x.device}")
+    dev = x.device
+    if weight.device != dev:
+        raise ValueError(f"linear_act: weight is on {weight.device} but x is on {dev}")
+    if bias is not None and bias.device != dev:
+        raise ValueError(f"linear_act: bias is on {bias.device} but x is on {dev}")
 
 
 def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, recompute=False):
@@ -186,27 +229,26 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     recompute=True saves memory: backward recomputes the pre-activation instead of keeping it.
     backend: None/"auto" | "cuda" | "triton" | "torch" (see ampkernels.backends).
     """
-    reference.activation_id(activation)
+    if activation not in _ACT_SET:
+        reference.activation_id(activation)  # raises, naming the choices
     _check_args(x, weight, bias)
-    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
-        dt = torch.get_autocast_dtype(x.device.type)
+    device = x.device
+    if torch.is_autocast_enabled(device.type) and x.is_floating_point():
+        dt = torch.get_autocast_dtype(device.type)
         x, weight = x.to(dt), weight.to(dt)
         bias = None if bias is None else bias.to(dt)
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"linear_act: x, weight and bias must share a dtype (as for F.linear), got x {x.dtype}, "
                         f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
-    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, k)
+    k, n = x.shape[-1], weight.shape[0]
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
     m = x2.shape[0]
-    unsupported = None
-    if x.dtype not in _KERNEL_DTYPES:
-        unsupported = f"dtype {x.dtype} is not float16/bfloat16"
-    name = _choose(backend, x.device, x.dtype, activation, _shape_bucket(m, n, k), unsupported)
+    unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
+    name = _choose(backend, device, x.dtype, activation, _shape_bucket(m, n, k), unsupported)
     x2, weight = x2.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, weight, bias))
-    if needs_grad:
+    if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         y = LinearActFunction.apply(x2, weight, bias, activation, name, recompute)
     else:  # inference: nothing saved, no autograd node
-        y, _ = torch.ops.ampkernels.linear_act_fwd(x2, weight, bias, activation, False, name)
-    return y.reshape(*lead, n)
+        y, _ = _fwd(x2, weight, bias, activation, False, name)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)

@@ -38,12 +38,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _AUTOTUNE = os.environ.get("AMPKERNELS_TRITON_AUTOTUNE", "1") != "0"
 log = logging.getLogger("ampkernels")
 
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_TANH_COEF = 0.044715
 
 
+# Constants are literals inside the jit functions: compiled Triton reads only constexpr module
+# globals, and the interpreter cannot multiply tensors by constexpr globals. 0.70710678 = 1/sqrt(2),
+# 0.39894228 = 1/sqrt(2 pi), 0.79788456 = sqrt(2/pi), 0.044715: torch's tanh-GELU coefficient.
 @triton.jit
 def _tanh(u):
     # tl has no tanh in every version we support; this form saturates correctly at +-inf
@@ -55,9 +54,9 @@ def _act_fwd(z, ACT: tl.constexpr):
     if ACT == 1:  # relu (z <= 0 is False for NaN, so NaN propagates as in torch)
         z = tl.where(z <= 0.0, 0.0, z)
     elif ACT == 2:  # gelu (erf)
-        z = 0.5 * z * (1.0 + tl.math.erf(z * _SQRT1_2))
+        z = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
     elif ACT == 3:  # gelu_tanh
-        z = 0.5 * z * (1.0 + _tanh(_SQRT_2_OVER_PI * (z + _GELU_TANH_COEF * z * z * z)))
+        z = 0.5 * z * (1.0 + _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)))
     elif ACT == 4:  # silu
         z = z * tl.sigmoid(z)
     elif ACT == 5:  # squared_relu
@@ -73,10 +72,10 @@ def _act_grad(z, ACT: tl.constexpr):
     elif ACT == 1:
         g = tl.where(z > 0.0, 1.0, 0.0)
     elif ACT == 2:
-        g = 0.5 * (1.0 + tl.math.erf(z * _SQRT1_2)) + z * _INV_SQRT_2PI * tl.exp(-0.5 * z * z)
+        g = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
     elif ACT == 3:
-        t = _tanh(_SQRT_2_OVER_PI * (z + _GELU_TANH_COEF * z * z * z))
-        g = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_COEF * z * z)
+        t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
+        g = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
     elif ACT == 4:
         s = tl.sigmoid(z)
         g = s * (1.0 + z * (1.0 - s))
