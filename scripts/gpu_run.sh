@@ -10,6 +10,7 @@
 # GPU_TESTS: pytest paths/args for `pytest -m gpu` ("none" skips); GPU_BENCH: benchmark
 # ops (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows where the copy has no .git.
+# GPU_JIT_CHECK=1 also checks the first-use build of a package installed without _C.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -37,6 +38,13 @@ cat "$OUT/env.txt"
 step build build.log $PY -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${status[@]}"; exit 1; }
 step doctor doctor.json $PY -m ampkernels doctor --json
 
+if [ "${GPU_JIT_CHECK:-0}" = 1 ]; then
+  # what a plain `pip install .` leaves: the package and its sources, no _C; first use compiles
+  jit=$(mktemp -d)
+  cp -r ampkernels "$jit/" && rm -f "$jit"/ampkernels/_C*.so && cp -r csrc "$jit/ampkernels/csrc"
+  step jit_build jit.log env -C "$jit" PYTHONPATH="$jit" TORCH_EXTENSIONS_DIR="$jit/ext" $PY -c \
+    "import ampkernels, torch; ok, why = ampkernels.available_backends()['cuda']; print(ok, why); assert ok and '(jit)' in why"
+fi
 if [ "${GPU_TESTS:-tests}" != none ]; then
   # shellcheck disable=SC2086
   step tests tests.log $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests}
