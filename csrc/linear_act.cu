@@ -7,8 +7,9 @@
 //   column sums of op(B) over k written to `bias` (the bias gradient, D's dtype).
 // Row-major torch tensors are read as their transposes (see ops.cpp for the mapping).
 //
-// The matmul descriptor, the three layouts and the heuristic's algorithm are created once
-// per (device, m, n, k, transposes, leading dims, dtype, epilogue, bias, aux_ld) and cached;
+// The matmul descriptor, the three layouts and the algorithm (the fastest of the heuristic's
+// candidates, timed once on first use) are created once per (device, m, n, k, transposes,
+// leading dims, dtype, epilogue, bias, aux_ld) and cached;
 // the callers only take this path with 16-byte aligned pointers and leading dims that are
 // multiples of 8, so alignment is part of the key by construction. Pointers (bias, aux)
 // are set on the cached descriptor under the cache's lock just before cublasLtMatmul, which
@@ -106,7 +107,45 @@ const char* fail(const char* call, cublasStatus_t s, const LtGemm& g) {
     if (s_ != CUBLAS_STATUS_SUCCESS) return fail(#call, s_, g); \
   } while (0)
 
-const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, size_t workspace_size, Plan& p) {
+constexpr int kCandidates = 8;  // algorithms the heuristic proposes; the fastest is kept
+constexpr int kTimedRuns = 5;
+
+// Index of the fastest of the heuristic's candidates, timed on the real operands (their
+// outputs are overwritten by the caller's run right after). Once per plan: one host sync.
+int fastest_algo(const LtGemm& g, cublasLtHandle_t handle, const Plan& p,
+                 const cublasLtMatmulHeuristicResult_t* results, int found, void* workspace, size_t workspace_size,
+                 cudaStream_t stream) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
+    if (start) cudaEventDestroy(start);
+    return 0;
+  }
+  const float alpha = 1.f, beta = 0.f;
+  int best = 0;
+  float best_ms = 3.4e38f;
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    const auto run = [&] {
+      return cublasLtMatmul(handle, p.desc, &alpha, g.a, p.a, g.b, p.b, &beta, g.d, p.d, g.d, p.d, &results[i].algo,
+                            workspace, workspace_size, stream) == CUBLAS_STATUS_SUCCESS;
+    };
+    if (!run()) continue;  // warm-up; a candidate that fails to launch is skipped
+    bool ok = cudaEventRecord(start, stream) == cudaSuccess;
+    for (int r = 0; r < kTimedRuns && ok; ++r) ok = run();
+    ok = ok && cudaEventRecord(stop, stream) == cudaSuccess && cudaEventSynchronize(stop) == cudaSuccess;
+    float ms = 0.f;
+    if (ok && cudaEventElapsedTime(&ms, start, stop) == cudaSuccess && ms < best_ms) {
+      best_ms = ms;
+      best = i;
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return best;
+}
+
+const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace, size_t workspace_size,
+                      cudaStream_t stream, Plan& p) {
   const cudaDataType_t t = g.dtype == DType::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   AMPK_LT(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -130,16 +169,25 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, size_t workspace
 
   cublasLtMatmulPreference_t pref = nullptr;
   AMPK_LT(cublasLtMatmulPreferenceCreate(&pref));
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
   int found = 0;
   cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                           &workspace_size, sizeof(workspace_size));
   if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+    s = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, kCandidates, results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS) return fail("cublasLtMatmulAlgoGetHeuristic", s, g);
   if (found == 0) return fail("cublasLtMatmulAlgoGetHeuristic (no algorithm)", CUBLAS_STATUS_NOT_SUPPORTED, g);
-  p.algo = result.algo;
+  // The heuristic's first pick can be several times slower than its third (measured on H200
+  // for GELU/BIAS epilogues): time the candidates once, unless the stream is being captured
+  // into a CUDA graph (no host sync allowed; then the first pick is kept).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool can_time = cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+                        capture == cudaStreamCaptureStatusNone;
+  const int best = found > 1 && can_time
+                       ? fastest_algo(g, handle, p, results, found, workspace, workspace_size, stream)
+                       : 0;
+  p.algo = results[best].algo;
   return nullptr;
 }
 
@@ -172,7 +220,7 @@ const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t wo
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
     Plan p;
-    if (const char* err = make_plan(g, handle, workspace_size, p)) {
+    if (const char* err = make_plan(g, handle, workspace, workspace_size, stream, p)) {
       // no descriptor or no algorithm for this epilogue/shape: remembered, so the caller's
       // unfused path costs no heuristic query on later calls
       destroy(p);
