@@ -168,34 +168,61 @@ class LinearActFunction(torch.autograd.Function):
 
 # ---------------------------------------------------------------- "auto"
 
-# Preference per (compute capability major, activation) -> backends fastest first, for the
-# shape bucket "large" (M*N >= 2^22) and "small". Default until measured on the H200
-# (benchmarks/bench_linear_act.py): cuBLASLt for everything -- its fused epilogues cost
-# nothing for bias/relu/gelu_tanh, and its unfused path (GEMM+bias, then the activation in
-# place) is the eager path minus the bias pass, so it is never slower than eager.
+# "auto": backends to try, fastest first, per (compute capability major, dtype, activation,
+# shape bucket, training). Filled from one H200 run of benchmarks/bench_linear_act.py --quick
+# (commit b0f52af, benchmarks/results/linear_act-h200-2026-11-30.jsonl): per cell the fastest
+# of cuda / triton / torch (eager F.linear + activation) over the bucket's shapes, summed; a
+# fused kernel within 1% of eager counts as a tie and is kept. Buckets by M*N*K: "small"
+# < 2^34 (4096x768x3072), "medium" < 2^37 (8192x1024x4096), "large" (8192x4096x{4096,16384}).
+# Not measured (identity, squared_relu, other GPUs): the default, cuBLASLt first -- its fused
+# epilogues cost nothing for bias/relu/gelu_tanh, and its unfused path (GEMM+bias, then the
+# activation in place) does the same work as eager.
+# Why "torch" wins some cells: small shapes are host-bound (the kernels' Python/launch path
+# costs more than eager's two ops), and for erf-GELU/SiLU the cuda path is GEMM + activation
+# pass, like eager.
 _AUTO_DEFAULT = ("cuda", "triton")
-_AUTO_TABLE: dict = {}
+_C, _T, _E = ("cuda", "triton"), ("triton", "cuda"), ("torch",)
+_ACT_COLUMNS = ("gelu_tanh", "relu", "gelu", "silu")
+_MEASURED = {  # (dtype, bucket, training): preferences for _ACT_COLUMNS
+    (torch.float16, "small", False): (_C, _C, _C, _C),
+    (torch.float16, "medium", False): (_C, _C, _E, _T),
+    (torch.float16, "large", False): (_C, _C, _T, _T),
+    (torch.float16, "small", True): (_C, _C, _E, _E),
+    (torch.float16, "medium", True): (_C, _E, _C, _C),
+    (torch.float16, "large", True): (_C, _T, _C, _T),
+    (torch.bfloat16, "small", False): (_C, _C, _C, _C),
+    (torch.bfloat16, "medium", False): (_C, _C, _E, _T),
+    (torch.bfloat16, "large", False): (_C, _C, _T, _E),
+    (torch.bfloat16, "small", True): (_E, _E, _E, _E),
+    (torch.bfloat16, "medium", True): (_C, _C, _E, _E),
+    (torch.bfloat16, "large", True): (_T, _T, _T, _T),
+}
+_AUTO_TABLE: dict = {(9, dtype, act, bucket, training): pref
+                     for (dtype, bucket, training), prefs in _MEASURED.items()
+                     for act, pref in zip(_ACT_COLUMNS, prefs)}
 
 
 def _shape_bucket(m, n, k):
-    return "large" if m * n >= (1 << 22) else "small"
+    work = m * n * k
+    return "small" if work < (1 << 34) else "medium" if work < (1 << 37) else "large"
 
 
-def auto_preference(device, dtype, activation, m, n, k):
+def auto_preference(device, dtype, activation, m, n, k, training=False):
     """Backends "auto" tries for this call, fastest first (measured where _AUTO_TABLE has it)."""
-    return _preference(device, dtype, activation, _shape_bucket(m, n, k))
+    return _preference(device, dtype, activation, _shape_bucket(m, n, k), training)
 
 
-def _preference(device, dtype, activation, bucket):
+def _preference(device, dtype, activation, bucket, training):
     cc = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
-    return _AUTO_TABLE.get((cc, dtype, activation, bucket), _AUTO_DEFAULT)
+    return _AUTO_TABLE.get((cc, dtype, activation, bucket, training), _AUTO_DEFAULT)
 
 
 @torch.compiler.assume_constant_result
-def _choose(backend, device, dtype, activation, bucket, unsupported):
+def _choose(backend, device, dtype, activation, bucket, training, unsupported):
     # A host-side decision (environment, availability probes, the table): under torch.compile
     # it runs once at trace time and the name is baked into the graph, never traced.
-    return backends.select("linear_act", backend, device, _preference(device, dtype, activation, bucket), unsupported)
+    return backends.select("linear_act", backend, device, _preference(device, dtype, activation, bucket, training),
+                           unsupported)
 
 
 # ---------------------------------------------------------------- functional API
@@ -244,10 +271,12 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     m = x2.shape[0]
     unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
-    name = _choose(backend, device, x.dtype, activation, _shape_bucket(m, n, k), unsupported)
+    training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
+                                            (bias is not None and bias.requires_grad))
+    name = _choose(backend, device, x.dtype, activation, _shape_bucket(m, n, k), training, unsupported)
     x2, weight = x2.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if training:
         y = LinearActFunction.apply(x2, weight, bias, activation, name, recompute)
     else:  # inference: nothing saved, no autograd node
         y, _ = _fwd(x2, weight, bias, activation, False, name)
