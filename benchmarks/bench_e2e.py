@@ -6,14 +6,12 @@ Every mode starts from the same weights and sees the same batches, so the loss a
 steps shows whether accuracy changed. Rows: ms per step (median of the timed steps),
 tokens/s, peak memory, final loss.
 """
-import argparse
 import copy
-import sys
 import time
 
 import torch
 
-from .common import Recorder, guard
+from .common import guard, standalone_main
 
 
 def synthetic_batches(steps, batch, seq, vocab, seed=0):
@@ -106,11 +104,4 @@ def report(rows):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    p.add_argument("--quick", action="store_true")
-    a = p.parse_args()
-    rec = Recorder(a.out)
-    run(rec, [torch.float16, torch.bfloat16], a.quick)
-    print("\n".join(report(rec.rows)))
-    sys.exit(0)
+    raise SystemExit(standalone_main("e2e", __doc__, run, report))

@@ -14,12 +14,11 @@ all at x's element size (so the autocast rows are "TB/s-equivalent"). Backward i
 
     python -m benchmarks.bench_layer_norm --out DIR [--quick]
 """
-import argparse
 
 import torch
 import torch.nn.functional as F
 
-from .common import Recorder, bench, environment, guard
+from .common import bench, guard, standalone_main
 
 NS = (768, 1024, 2048, 4096, 8192, 16384)
 QUICK_NS = (768, 2048, 8192, 16384)
@@ -220,28 +219,15 @@ def report(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
-    p.add_argument("--sweep", action="store_true", help="only time Triton launch configurations")
-    args = p.parse_args(argv)
-    recorder = Recorder(args.out)
-    env = environment()
-    print(f"bench_layer_norm on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure (see `ampkernels bench` for the CPU demo)")
-        return 0
-    if args.sweep:
-        sweep(recorder)
-        return 0
-    run(recorder, [getattr(torch, d) for d in args.dtype], args.quick)
-    text = "\n".join(report(recorder.rows))
-    print(text)
-    if args.out:
-        with open(f"{args.out}/report_layer_norm.txt", "w") as f:
-            f.write(text + "\n")
-    return 0
+    def extra(p):
+        p.add_argument("--sweep", action="store_true", help="only time Triton launch configurations")
+
+    def special(args, recorder):
+        if args.sweep:
+            sweep(recorder)
+        return args.sweep
+
+    return standalone_main("layer_norm", __doc__, run, report, argv, extra, special)
 
 
 if __name__ == "__main__":

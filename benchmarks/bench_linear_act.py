@@ -13,13 +13,12 @@ alive after a training forward (saved tensors + output).
 
     python -m benchmarks.bench_linear_act --out DIR [--quick]
 """
-import argparse
 import os
 
 import torch
 import torch.nn.functional as F
 
-from .common import Recorder, bench, environment, guard
+from .common import bench, guard, standalone_main
 
 SHAPES = [(4096, 768, 3072), (8192, 1024, 4096), (8192, 4096, 4096), (8192, 4096, 16384)]
 ACTIVATIONS = ("gelu_tanh", "relu", "gelu", "silu")
@@ -241,23 +240,5 @@ def report(rows):
     return lines
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"])
-    args = p.parse_args(argv)
-    recorder = Recorder(args.out)
-    env = environment()
-    print(f"bench_linear_act on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
-    first = len(recorder.rows)
-    run(recorder, [getattr(torch, d) for d in args.dtype], args.quick)
-    text = "\n".join(report(recorder.rows[first:]))
-    print("\n" + text)
-    if args.out:
-        with open(os.path.join(args.out, "report_linear_act.txt"), "w") as f:
-            f.write(text + "\n")
-
-
 if __name__ == "__main__":
-    main()
+    raise SystemExit(standalone_main("linear_act", __doc__, run, report))

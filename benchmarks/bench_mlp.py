@@ -8,13 +8,11 @@ nn.FusedMLP (one hidden-sized tensor saved); both norms emit the autocast dtype
 (out_dtype="autocast"), since their output only feeds the first matmul. Rows: ms per step, peak extra memory (MiB
 above the inputs and weights), tokens/s.
 """
-import argparse
 import copy
-import sys
 
 import torch
 
-from .common import Recorder, bench, guard
+from .common import bench, guard, standalone_main
 
 SHAPES = [(16384, 1024), (8192, 4096)]
 
@@ -107,11 +105,4 @@ def report(rows):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    p.add_argument("--quick", action="store_true")
-    a = p.parse_args()
-    rec = Recorder(a.out)
-    run(rec, [torch.float16, torch.bfloat16], a.quick)
-    print("\n".join(report(rec.rows)))
-    sys.exit(0)
+    raise SystemExit(standalone_main("mlp", __doc__, run, report))

@@ -79,3 +79,35 @@ def guard(recorder, what, fn):
     except Exception as e:  # a failing provider must not stop the side-by-side run
         recorder.add(op=what, provider="error", metric="error", value=f"{type(e).__name__}: {str(e)[:300]}")
         return None
+
+
+def standalone_main(name, doc, run, report, argv=None, extra_args=None, special=None):
+    """`python -m benchmarks.<name> --out DIR [--quick] [--dtype ...]` for one benchmark module.
+
+    extra_args(parser) adds module options; special(args, recorder) may handle them and
+    return True to skip the standard run. Prints the report and writes report_<name>.txt.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=["float16", "bfloat16"])
+    if extra_args:
+        extra_args(p)
+    args = p.parse_args(argv)
+    recorder = Recorder(args.out)
+    env = environment()
+    print(f"{name} on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (`ampkernels bench` runs the CPU demo)")
+        return 0
+    if special and special(args, recorder):
+        return 0
+    run(recorder, [getattr(torch, d) for d in args.dtype], args.quick)
+    text = "\n".join(report(recorder.rows))
+    print("\n" + text)
+    if args.out:
+        with open(os.path.join(args.out, f"report_{name}.txt"), "w") as f:
+            f.write(text + "\n")
+    return 0

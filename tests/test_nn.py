@@ -4,7 +4,6 @@ import copy
 import pytest
 import torch
 
-import ampkernels
 import ampkernels.nn as aknn
 from tests.utils import assert_rel_close
 
