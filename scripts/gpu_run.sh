@@ -11,6 +11,8 @@
 # ops (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows where the copy has no .git.
 # GPU_JIT_CHECK=1 also checks the first-use build of a package installed without _C.
+# TESTS_TIMEOUT / BENCH_TIMEOUT (seconds) cap those steps so that one call fits its limit;
+# what ran before the cap stays in the logs and results.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -47,12 +49,12 @@ if [ "${GPU_JIT_CHECK:-0}" = 1 ]; then
 fi
 if [ "${GPU_TESTS:-tests}" != none ]; then
   # shellcheck disable=SC2086
-  step tests tests.log $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests}
+  step tests tests.log timeout "${TESTS_TIMEOUT:-3000}" $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests}
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
 if [ "${GPU_BENCH:-all}" != none ]; then
   # shellcheck disable=SC2086
-  step bench bench.log $PY -m ampkernels bench --op ${GPU_BENCH:-all} --out "$OUT" ${BENCH_ARGS:-}
+  step bench bench.log timeout "${BENCH_TIMEOUT:-3000}" $PY -m ampkernels bench --op ${GPU_BENCH:-all} --out "$OUT" ${BENCH_ARGS:-}
 fi
 
 echo "== summary"

@@ -13,7 +13,7 @@ from tests.utils import assert_rel_close
 
 HAS_CUDA = torch.cuda.is_available()
 CPU = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-GPU = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+GPU = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @st.composite
