@@ -80,7 +80,8 @@ def run(recorder, dtypes, quick):
                     times.append(start.elapsed_time(end))
             times.sort()
             ms = times[len(times) // 2]
-            recorder.add(op="e2e_gpt2", provider=name, **{"pass": "train_step"}, dtype=str(dtype or "fp32"),
+            recorder.add(op="e2e_gpt2", provider=name, **{"pass": "train_step"},
+                         dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
                          shape=f"L={layers},B={batch},S={seq}", metric="ms", value=round(ms, 2), ms=ms,
                          tokens_per_s=round(batch * seq / ms * 1e3), peak_mem_GiB=round(
                              torch.cuda.max_memory_allocated() / 2**30, 2),

@@ -74,7 +74,8 @@ def run(recorder, dtypes, quick):
                 base = torch.cuda.memory_allocated()
                 ms, p20, p80 = bench(step, rep=200 if not quick else 50)
                 peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                recorder.add(op="mlp_block", provider=name, **{"pass": "train_step"}, dtype=str(dtype or "fp32"),
+                recorder.add(op="mlp_block", provider=name, **{"pass": "train_step"},
+                         dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
                              shape=f"T={tokens},H={hidden}", T=tokens, H=hidden, metric="ms", value=round(ms, 4),
                              ms=ms, ms_p20=p20, ms_p80=p80, peak_extra_MiB=round(peak, 1),
                              tokens_per_s=round(tokens / ms * 1e3))
