@@ -8,11 +8,12 @@
 // a build per combination. mean and rstd are fp32, one per row.
 //
 // Forward, norm_fwd_kernel: a group of G threads (1..512, a power of two) owns one row; thread t
-// holds the row's vectors t, t+G, ... (kVec elements each: 16-byte loads when cols and pointers
-// allow, else 1 element) in fp32 registers, so x and residual are read once. mean is a
-// group sum over the registers, then variance a second sum of centred squares (robust for
-// rows with a large mean). Rows longer than 512 threads x 4 vectors take
-// norm_fwd_looped_kernel: one block per row, three passes over the row (L2-resident).
+// holds the row's vectors t, t+G, ... (kIters = 1..4 vectors of kVec elements: 16-byte loads when
+// cols and pointers allow, else 1 element), so x and residual are read once, all loads issued
+// before the first reduction. Without a residual the row is kept in registers in x's own 16-bit
+// storage type and converted to fp32 at each use. mean is a group sum, then variance a second
+// sum of centred squares (robust for rows with a large mean). Rows longer than 512 threads x 4
+// vectors take norm_fwd_looped_kernel: one block per row, three passes over the row (L2-resident).
 // With a residual, s = x + residual is normalised unrounded and stored as residual_out.
 //
 // Backward, norm_bwd_kernel: persistent blocks; each block loops over rows (row groups of G
@@ -25,13 +26,22 @@
 // Rows longer than 1024 threads x 2 vectors take norm_bwd_looped_kernel: two passes per row,
 // partial sums kept in the block's own partial row in global memory.
 //
-// Measured (H200, fp16, M*N = 2^27; benchmarks/results/h200-layer_norm-2026-11-30.jsonl): forward
-// 2.0-3.4 TB/s (the Triton forward is faster; "auto" takes it), backward 1.8-2.8 TB/s (faster than
-// Triton's for N >= 8192). Likely limits, not yet measured one by one: the forward at G = 512
-// (N >= 8192) runs one 512-thread block per SM (~90 registers); weight/bias loads sit after the
-// row reductions and behind the out stores (possible aliasing), so they are not batched; the
-// backward has no prefetch of the next row, so each row's load latency is exposed.
+// Changed 2026-11-30 (UNMEASURED until the next H200 run; the numbers measured before, forward
+// 2.0-3.4 TB/s and backward 1.8-2.8 TB/s at fp16, M*N = 2^27, describe the previous code):
+// - forward: the 16-bit row is kept raw (half the registers), the kernel is capped at 64
+//   registers (__launch_bounds__(512, 2); was 81-97, i.e. one 512-thread block per SM at
+//   N >= 8192, so no block's loads overlapped another's reductions); kIters may be 3 (N = 768,
+//   1536, 12288 waste no register slot); mean and variance use separate shared buffers (one
+//   barrier per reduction instead of two); params have a compile-time storage type per dispatch.
+//   With a residual the fp32 tile stays (__launch_bounds__(512, 1), as before).
+// - backward: the two row sums share one reduction (two barriers per row instead of four).
+// Known limits: the backward has no prefetch of the next row (each row's load latency is exposed
+// at one 1024-thread block per SM for N > 8192 at 16-bit) and the 16-bit 2-vector variant spills
+// ~80 bytes; params are re-read per row from L1 after the reductions (their latency is covered
+// only by other resident blocks).
 #include <algorithm>
+#include <cstring>
+#include <type_traits>
 
 #include "activations.cuh"
 
@@ -63,6 +73,19 @@ __device__ __forceinline__ void store_pack(void* p, int64_t i, const float (&v)[
 #pragma unroll
   for (int e = 0; e < kVec; ++e) pk.e[e] = from_f32<TS>(v[e]);
   *reinterpret_cast<Pack<TS, kVec>*>(static_cast<TS*>(p) + i) = pk;
+}
+
+// Element e of a pack in fp32. bf16 is read from the pack's 32-bit words (bf16 is the top half
+// of an fp32: a shift or a mask), so a raw bf16 tile stays in packed 32-bit registers.
+template <typename TS, int kVec>
+__device__ __forceinline__ float elem_f32(const Pack<TS, kVec>& p, int e) {
+  if constexpr (std::is_same_v<TS, __nv_bfloat16> && kVec % 2 == 0) {
+    uint32_t u;
+    memcpy(&u, &p.e[e & ~1], 4);
+    return __uint_as_float(e % 2 == 0 ? u << 16 : u & 0xffff0000u);
+  } else {
+    return to_f32(p.e[e]);
+  }
 }
 
 // One vector of a tensor whose dtype is known only at run time (a uniform branch).
@@ -106,7 +129,33 @@ __device__ __forceinline__ void convert_tile(const Pack<TS, kVec> (&raw)[kIters]
 #pragma unroll
   for (int k = 0; k < kIters; ++k)
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) v[k][e] = to_f32(raw[k].e[e]);
+    for (int e = 0; e < kVec; ++e) v[k][e] = elem_f32(raw[k], e);
+}
+
+// An empty asm that "rewrites" every register of a raw tile. Conversions of the tile to fp32 made
+// before it cannot be reused after it, so the compiler recomputes them (a few ALU ops) instead of
+// keeping an fp32 copy of the tile alive across the reductions (twice the registers of 16-bit x).
+template <typename TS, int kVec, int kIters>
+__device__ __forceinline__ void refresh_tile(Pack<TS, kVec> (&p)[kIters]) {
+  if constexpr (sizeof(TS) * kVec % 4 == 0) {  // fp32, or 16-bit vectors
+#pragma unroll
+    for (int k = 0; k < kIters; ++k) {
+      uint32_t u[sizeof(TS) * kVec / 4];
+      memcpy(u, &p[k], sizeof(u));
+#pragma unroll
+      for (int i = 0; i < int(sizeof(u) / 4); ++i) asm volatile("" : "+r"(u[i]));
+      memcpy(&p[k], u, sizeof(u));
+    }
+  } else {
+    static_assert(sizeof(TS) == 2 && kVec == 1);
+#pragma unroll
+    for (int k = 0; k < kIters; ++k) {
+      unsigned short u;
+      memcpy(&u, &p[k], 2);
+      asm volatile("" : "+h"(u));
+      memcpy(&p[k], &u, 2);
+    }
+  }
 }
 
 template <int kVec, int kIters>
@@ -134,106 +183,146 @@ __device__ __forceinline__ void store_tile(const float (&v)[kIters][kVec], void*
   }
 }
 
-// Sum over the G threads of a row group (G a power of two; groups are aligned in the block).
-// Every thread of the block must call it (it may synchronise the block). All lanes get the
-// same bits: a butterfly adds each pair in both orders, and float addition commutes.
-__device__ __forceinline__ float group_sum(float v, int G, float* red) {
-  for (int off = (G < 32 ? G : 32) / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if (G <= 32) return v;
+// Sums over the G threads of a row group (G a power of two; groups are aligned in the block), kN
+// values at once (one exchange through shared memory for all of them). Every thread of the block
+// must call it (it may synchronise the block). All lanes get the same bits: a butterfly adds each
+// pair in both orders (float addition commutes), and the warps' partials are added in warp order.
+// `reused`: red may still be read by an earlier call on the same buffer, so wait for those
+// readers first; a buffer used once per block needs no such wait.
+template <int kN>
+__device__ __forceinline__ void group_sum(float (&v)[kN], int G, float (&red)[kN][32], bool reused) {
+  for (int off = (G < 32 ? G : 32) / 2; off > 0; off >>= 1) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+  }
+  if (G <= 32) return;
   const int warp = threadIdx.x / 32;
-  __syncthreads();  // red[] may still be read by the previous call
-  if (threadIdx.x % 32 == 0) red[warp] = v;
+  if (reused) __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) red[i][warp] = v[i];
+  }
   __syncthreads();
   const int first = (threadIdx.x / G) * (G / 32);
-  float total = 0.f;
-  for (int w = 0; w < G / 32; ++w) total += red[first + w];
-  return total;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    float total = 0.f;
+    for (int w = 0; w < G / 32; ++w) total += red[i][first + w];
+    v[i] = total;
+  }
 }
 
 // Sum over the whole block (looped kernels); every thread gets the total.
-__device__ __forceinline__ float block_sum(float v, float* red) { return group_sum(v, blockDim.x, red); }
+__device__ __forceinline__ float block_sum(float v, float (&red)[1][32]) {
+  float s[1] = {v};
+  group_sum<1>(s, blockDim.x, red, true);
+  return s[0];
+}
 
 // ------------------------------------------------------------------ forward
 
-template <typename T, int kVec, int kIters>
-__global__ void __launch_bounds__(kFwdMaxGroup) norm_fwd_kernel(const NormForwardArgs a, const int G) {
-  __shared__ float red[32];
+// One row per group of G threads (G a power of two, 1..512; the block holds blockDim.x / G rows).
+// Thread t holds the row's vectors t, t + G, ..., t + (kIters - 1) * G; all its loads of x (and
+// residual) are issued before the first reduction. Between the passes the row stays in registers
+// in x's own storage type (16-bit x: half the registers of fp32, so two 512-thread blocks fit per
+// SM and one block's reductions overlap another's loads), or in fp32 with a residual (kResidual:
+// the unrounded sum x + residual is what gets normalised). The params are read per vector after
+// the reductions (every row reads them: L1/L2 hits), their storage type fixed per dispatch (no
+// dtype branch per vector); each output vector is written as soon as it is computed.
+template <typename T, bool kResidual, int kVec, int kIters>
+__global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : 2) norm_fwd_kernel(const NormForwardArgs a, const int G) {
+  using TK = std::conditional_t<kResidual, float, T>;
+  __shared__ float red_mean[1][32], red_var[1][32];
   const int t = threadIdx.x % G;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
   const bool valid = row < a.rows;
   const int64_t nvec = a.cols / kVec, base = row * a.cols;
 
-  float v[kIters][kVec];
-  {
+  Pack<TK, kVec> v[kIters];  // slots outside the row, and invalid rows, hold 0
+  if constexpr (kResidual) {
     Pack<T, kVec> raw[kIters];
     load_tile_raw<T, kVec, kIters>(raw, a.x, base, t, G, nvec, valid);
-    if (a.residual != nullptr) {
-      load_tile<kVec, kIters>(v, a.residual, a.residual_dtype, base, t, G, nvec, valid);
-      float xv[kIters][kVec];
-      convert_tile<T, kVec, kIters>(raw, xv);
-#pragma unroll
-      for (int k = 0; k < kIters; ++k)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[k][e] += xv[k][e];
-    } else {
-      convert_tile<T, kVec, kIters>(raw, v);
-    }
-  }
-  if (a.residual_out != nullptr) store_tile<kVec, kIters>(v, a.residual_out, a.residual_out_dtype, base, t, G, nvec, valid);
-
-  float mean = 0.f;
-  if (!a.is_rms) {
-    float s = 0.f;
+    float r[kIters][kVec];
+    load_tile<kVec, kIters>(r, a.residual, a.residual_dtype, base, t, G, nvec, valid);
 #pragma unroll
     for (int k = 0; k < kIters; ++k)
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) s += v[k][e];  // slots outside the row hold 0
-    mean = group_sum(s, G, red) / float(a.cols);
+      for (int e = 0; e < kVec; ++e) v[k].e[e] = elem_f32(raw[k], e) + r[k][e];
+    if (a.residual_out != nullptr) {
+#pragma unroll
+      for (int k = 0; k < kIters; ++k) {
+        const int64_t j = t + int64_t(k) * G;
+        if (valid && j < nvec) store_vec<kVec>(a.residual_out, a.residual_out_dtype, base + j * kVec, v[k].e);
+      }
+    }
+  } else {
+    load_tile_raw<T, kVec, kIters>(v, a.x, base, t, G, nvec, valid);
   }
-  float sq = 0.f;
+
+  float mean = 0.f;
+  if (!a.is_rms) {
+    float s[1] = {0.f};
+#pragma unroll
+    for (int k = 0; k < kIters; ++k)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s[0] += elem_f32(v[k], e);
+    group_sum<1>(s, G, red_mean, false);
+    mean = s[0] / float(a.cols);
+  }
+  if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
+  float sq[1] = {0.f};
 #pragma unroll
   for (int k = 0; k < kIters; ++k) {
     if (t + int64_t(k) * G < nvec) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        const float d = v[k][e] - mean;
-        sq += d * d;
+        const float d = elem_f32(v[k], e) - mean;
+        sq[0] += d * d;
       }
     }
   }
-  const float rstd = rsqrtf(group_sum(sq, G, red) / float(a.cols) + a.eps);
+  group_sum<1>(sq, G, red_var, false);
+  const float rstd = rsqrtf(sq[0] / float(a.cols) + a.eps);
+  if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
   if (valid && t == 0) {
     if (a.mean != nullptr) a.mean[row] = mean;
     a.rstd[row] = rstd;
   }
 
+  auto normalise = [&]<typename TP>() {
 #pragma unroll
-  for (int k = 0; k < kIters; ++k) {
-    const int64_t j = t + int64_t(k) * G;
-    if (!(valid && j < nvec)) continue;
-    float y[kVec];
+    for (int k = 0; k < kIters; ++k) {
+      const int64_t j = t + int64_t(k) * G;
+      if (!(valid && j < nvec)) continue;
+      float w[kVec], b[kVec], y[kVec];
+      if (a.weight != nullptr) {
+        load_pack<TP, kVec>(a.weight, j * kVec, w);
+      } else {
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) y[e] = (v[k][e] - mean) * rstd;
-    if (a.weight != nullptr) {
-      float w[kVec];
-      load_vec<kVec>(a.weight, a.param_dtype, j * kVec, w);
+        for (int e = 0; e < kVec; ++e) w[e] = 1.f;
+      }
+      if (a.bias != nullptr) {
+        load_pack<TP, kVec>(a.bias, j * kVec, b);
+      } else {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) y[e] *= w[e];
+        for (int e = 0; e < kVec; ++e) b[e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) y[e] = (elem_f32(v[k], e) - mean) * rstd * w[e] + b[e];
+      store_vec<kVec>(a.out, a.out_dtype, base + j * kVec, y);
     }
-    if (a.bias != nullptr) {
-      float b[kVec];
-      load_vec<kVec>(a.bias, a.param_dtype, j * kVec, b);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) y[e] += b[e];
-    }
-    store_vec<kVec>(a.out, a.out_dtype, base + j * kVec, y);
+  };
+  switch (a.param_dtype) {
+    case DType::kFloat32: normalise.template operator()<float>(); break;
+    case DType::kFloat16: normalise.template operator()<__half>(); break;
+    case DType::kBFloat16: normalise.template operator()<__nv_bfloat16>(); break;
   }
 }
 
 // One block per row, any length: pass 1 sums, pass 2 centred squares, pass 3 writes.
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kLoopedThreads) norm_fwd_looped_kernel(const NormForwardArgs a) {
-  __shared__ float red[32];
+  __shared__ float red[1][32];
   const int64_t row = blockIdx.x, nvec = a.cols / kVec, base = row * a.cols;
   auto load_s = [&](int64_t j, float (&v)[kVec]) {
     load_pack<T, kVec>(a.x, base + j * kVec, v);
@@ -297,7 +386,7 @@ __global__ void __launch_bounds__(kBwdMaxGroup) norm_bwd_kernel(const NormBackwa
   // for its slot s. Offsets are compile-time constants (no address registers); the odd stride
   // puts a warp's 32 threads on 32 banks.
   extern __shared__ float acc_all[];
-  __shared__ float red[32];
+  __shared__ float red[2][32];
   constexpr int E = kIters * kVec, kStride = 2 * E + 1;
   float* const acc = acc_all + threadIdx.x * kStride;
   const int t = threadIdx.x % G, groups = blockDim.x / G, g = threadIdx.x / G;
@@ -352,8 +441,10 @@ __global__ void __launch_bounds__(kBwdMaxGroup) norm_bwd_kernel(const NormBackwa
         s1 += gr[k][e] * xh[k][e];
         s2 += gr[k][e];
       }
-    const float c1 = group_sum(s1, G, red) * inv_n;
-    const float c2 = a.is_rms ? 0.f : group_sum(s2, G, red) * inv_n;
+    float s[2] = {s1, s2};
+    group_sum<2>(s, G, red, true);  // both sums in one exchange (RMSNorm ignores the second)
+    const float c1 = s[0] * inv_n;
+    const float c2 = a.is_rms ? 0.f : s[1] * inv_n;
 #pragma unroll
     for (int k = 0; k < kIters; ++k)
 #pragma unroll
@@ -395,7 +486,7 @@ __global__ void __launch_bounds__(kBwdMaxGroup) norm_bwd_kernel(const NormBackwa
 // block's partial sums, kept in its own partial row (each column always by the same thread).
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kLoopedThreads) norm_bwd_looped_kernel(const NormBackwardArgs a) {
-  __shared__ float red[32];
+  __shared__ float red[1][32];
   const int64_t nvec = a.cols / kVec;
   float* dwp = a.dweight_partial == nullptr ? nullptr : a.dweight_partial + int64_t(blockIdx.x) * a.cols;
   float* dbp = a.dbias_partial == nullptr ? nullptr : a.dbias_partial + int64_t(blockIdx.x) * a.cols;
@@ -513,14 +604,15 @@ struct TileConfig {
   int vec, group, iters, threads;  // iters == 0: the looped kernel
 };
 
-// About 4 vectors (64 bytes of 16-bit x) per thread: enough loads in flight per thread, and
-// the fewest threads per row (so most rows share no block-wide reductions).
+// Up to 4 vectors (64 bytes of 16-bit x) per thread: enough loads in flight per thread, and
+// the fewest threads per row (so most rows share no block-wide reductions). iters is 1..4, not
+// rounded up to a power of two, so no register slot is wasted (N = 768: 32 threads x 3 vectors).
 TileConfig fwd_config(const NormForwardArgs& a) {
   const int vec = fwd_vec(a);
   const int64_t nvec = a.cols / vec;
   if (nvec > int64_t(kFwdMaxGroup) * kFwdMaxIters) return {vec, 0, 0, kLoopedThreads};
-  const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, 4)));
-  const int iters = next_pow2(ceil_div(nvec, group));
+  const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, kFwdMaxIters)));
+  const int iters = int(ceil_div(nvec, group));
   return {vec, group, iters, std::max(group, 128)};
 }
 
@@ -548,6 +640,7 @@ cudaError_t dispatch_iters(int iters, F&& f) {
   switch (iters) {
     case 1: return f.template operator()<1>();
     case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
     case 4: return f.template operator()<4>();
   }
   return cudaErrorInvalidConfiguration;
@@ -595,10 +688,14 @@ cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
       norm_fwd_looped_kernel<T, kVec><<<unsigned(a.rows), c.threads, 0, stream>>>(a);
       return cudaGetLastError();
     }
+    const int64_t blocks = ceil_div(a.rows, c.threads / c.group);
+    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     return dispatch_iters(c.iters, [&]<int kIters>() {
-      const int64_t blocks = ceil_div(a.rows, c.threads / c.group);
-      if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-      norm_fwd_kernel<T, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+      if (a.residual != nullptr) {
+        norm_fwd_kernel<T, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+      } else {
+        norm_fwd_kernel<T, false, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+      }
       return cudaGetLastError();
     });
   });
