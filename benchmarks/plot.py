@@ -40,7 +40,11 @@ def _grid(plt, count, title):
 
 def _env_line(rows):
     r = rows[0]
-    return f"{r.get('gpu')} | torch {r.get('torch')} | triton {r.get('triton')} | commit {r.get('commit')}"
+    return f"{r.get('gpu')} | torch {r.get('torch')} | triton {r.get('triton')}"
+
+
+def _commits(rows):
+    return ",".join(sorted({str(r.get("commit")) for r in rows}))
 
 
 def plot_norm(plt, op, rows, ceiling, path):
@@ -56,7 +60,7 @@ def plot_norm(plt, op, rows, ceiling, path):
         if ceiling:
             ax.axhline(ceiling, ls="--", color="k", label=f"copy {ceiling:.2f} TB/s")
         ax.set_xscale("log", base=2)
-        ax.set(title=f"{pss} {dtype}", xlabel="N (hidden size)", ylabel="TB/s")
+        ax.set(title=f"{pss} {dtype} (commit {_commits(prs)})", xlabel="N (hidden size)", ylabel="TB/s")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -79,7 +83,7 @@ def plot_linear(plt, rows, path):
             ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=label, **kw)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"{m}x{k}x{n}" for m, k, n in shapes],
                       fontsize=7)
-        ax.set(title=f"{pss} {dtype}", ylabel="TFLOP/s")
+        ax.set(title=f"{pss} {dtype} (commit {_commits(prs)})", ylabel="TFLOP/s")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
@@ -96,7 +100,7 @@ def plot_steps(plt, op, rows, path):
         for i, r in enumerate(prs):
             mem = r.get("peak_extra_MiB", r.get("peak_mem_GiB"))
             ax.text(r["ms"], i, f" {r['ms']:.2f} ms, mem {mem}", va="center", fontsize=7)
-        ax.set(title=str(shape), xlabel="ms per step (lower is better)")
+        ax.set(title=f"{shape} (commit {_commits(prs)})", xlabel="ms per step (lower is better)")
         ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
