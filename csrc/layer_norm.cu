@@ -26,8 +26,10 @@
 // Rows longer than 1024 threads x 2 vectors take norm_bwd_looped_kernel: two passes per row,
 // partial sums kept in the block's own partial row in global memory.
 //
-// Changed 2026-11-30 (UNMEASURED until the next H200 run; the numbers measured before, forward
-// 2.0-3.4 TB/s and backward 1.8-2.8 TB/s at fp16, M*N = 2^27, describe the previous code):
+// Measured on the H200 at a6d9463 (benchmarks/results/h200-2026-11-30-a6d9463*, bf16,
+// M*N = 2^27, N = 768..16384): forward 3.55-3.75 TB/s (RMSNorm), 2.97-3.39 (LayerNorm), up from
+// 2.0-3.4 at fp16 before the forward changes below; backward 1.8-2.3 TB/s (target 3.2).
+// Changes behind those numbers:
 // - forward: the 16-bit row is kept raw (half the registers), the kernel is capped at 64
 //   registers (__launch_bounds__(512, 2); was 81-97, i.e. one 512-thread block per SM at
 //   N >= 8192, so no block's loads overlapped another's reductions); kIters may be 3 (N = 768,
