@@ -158,9 +158,15 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residua
     return _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms=False)
 
 
+def default_rms_eps(dtype):
+    """The eps torch's rms_norm uses when eps is None: the epsilon of its compute type
+    (fp32 for fp16/bf16/fp32 inputs, fp64 for fp64), not of the input dtype."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, residual=None, residual_in_fp32=False, out_dtype=None):
-    """RMSNorm over the trailing dims; eps=None means torch.finfo(x.dtype).eps, as torch.nn.RMSNorm."""
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    """RMSNorm over the trailing dims; eps=None means default_rms_eps(x.dtype), as torch.nn.RMSNorm."""
+    eps = default_rms_eps(x.dtype) if eps is None else eps
     return _norm(x, normalized_shape, weight, None, eps, residual, residual_in_fp32, out_dtype, is_rms=True)
 
 

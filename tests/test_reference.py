@@ -47,8 +47,17 @@ def test_rms_norm_vs_float64(dtype):
     x = randn(2, 9, 768, dtype=dtype)
     w = randn(768) + 1
     out = reference.rms_norm(x, 768, w)
-    eps = torch.finfo(dtype).eps  # eps=None means finfo(x.dtype).eps, as torch.nn.RMSNorm
+    eps = torch.finfo(torch.float32).eps  # eps=None: the fp32 compute type's epsilon, as torch uses
     assert_rel_close(out, F.rms_norm(x.double(), (768,), w.double(), eps), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rms_norm_default_eps_matches_torch_for_small_inputs(dtype):
+    # torch's rms_norm(eps=None) uses the epsilon of its fp32 compute type, not finfo(bf16).eps
+    # (0.0078), which would dominate mean(x^2) for small activations
+    x = randn(4, 128, dtype=dtype, scale=0.05)
+    assert_rel_close(reference.rms_norm(x, 128), F.rms_norm(x.float(), (128,)).double(), dtype, factor=2)
+    assert_rel_close(reference.rms_norm(x, 128), F.rms_norm(x, (128,)).double(), dtype, factor=8)
 
 
 def test_norm_over_two_trailing_dims():

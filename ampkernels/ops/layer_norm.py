@@ -257,7 +257,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residua
 def rms_norm(x, normalized_shape, weight=None, eps=None, *, residual=None, residual_in_fp32=False, out_dtype=None,
              backend=None):
     """RMSNorm over the trailing dims: x / sqrt(mean(x^2) + eps) * weight; eps=None means
-    torch.finfo(x.dtype).eps, as torch.nn.RMSNorm. Otherwise as layer_norm (no bias)."""
-    eps = torch.finfo(x.dtype).eps if eps is None and isinstance(x, Tensor) and x.is_floating_point() else eps
+    reference.default_rms_eps(x.dtype) (fp32's epsilon for 16-bit inputs), as torch.nn.RMSNorm
+    computes it. Otherwise as layer_norm (no bias)."""
+    eps = reference.default_rms_eps(x.dtype) if eps is None and isinstance(x, Tensor) and x.is_floating_point() \
+        else eps
     return _norm(x, normalized_shape, weight, None, 1e-6 if eps is None else eps, residual, residual_in_fp32,
                  out_dtype, backend, is_rms=True)
