@@ -5,7 +5,8 @@ pre-activation (compute dtype). The post-activation h is produced in forward for
 second GEMM and dropped; backward recomputes it from the pre-activation with one
 elementwise pass. Eager Linear -> act -> Linear keeps both (two hidden-sized tensors).
 
-Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
+Eager calls run the implementations directly; torch.compile and opcheck see the custom ops
+(linear_act's _eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
 storing the pre-activation, then a GEMM + bias. Backward: h recomputed by the bias_act
 kernel, then linear_act's backward for each layer (act' applied to dh on the fly, bias
 gradients accumulated in fp32). Pieces in data order: custom ops
@@ -18,19 +19,38 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, reference
-from .bias_act import bias_act_fwd
-from .linear_act import linear_act_bwd, linear_act_fwd
+from .linear_act import _bwd_impl as _la_bwd
+from .linear_act import _eager_call
+from .linear_act import _fwd_impl as _la_fwd
 
 _DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _fwd_impl(x, w1, b1, w2, b2, activation, backend):
+    # first GEMM with bias + activation in its epilogue, also storing the pre-activation
+    h, pre = _la_fwd(x, w1, b1, activation, True, backend)
+    return F.linear(h, w2, b2), pre
+
+
+def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
+    # recompute the post-activation: the one elementwise pass that saves a hidden-sized tensor
+    if backend == "cuda":
+        h, _ = torch.ops.ampkernels.bias_act_fwd_cuda(pre, None, reference.activation_id(activation), False)
+    else:
+        h = reference.act_fwd(pre, activation)
+    # second layer (identity), then the first with act' applied to dh on the fly: linear_act's
+    # backward (cuda: bias gradient fused into the weight-gradient GEMM)
+    dh, dw2, db2 = _la_bwd(dout, h, w2, None, "identity", True, True, b2_dtype is not None, backend)
+    del h
+    dx, dw1, db1 = _la_bwd(dh, x, w1, pre, activation, True, True, b1_dtype is not None, backend)
+    return dx, dw1, db1, dw2, db2
 
 
 @torch.library.custom_op("ampkernels::fused_mlp_fwd", mutates_args=())
 def fused_mlp_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
                   backend: str) -> tuple[Tensor, Tensor]:
     """(out, pre) for 2-D x; pre = x @ w1.T + b1 in x.dtype."""
-    # first GEMM with bias + activation in its epilogue, also storing the pre-activation
-    h, pre = linear_act_fwd(x, w1, b1, activation, True, backend)
-    return F.linear(h, w2, b2), pre
+    return _fwd_impl(x, w1, b1, w2, b2, activation, backend)
 
 
 @fused_mlp_fwd.register_fake
@@ -43,14 +63,7 @@ def fused_mlp_bwd(dout: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, 
                   b1_dtype: Optional[torch.dtype], b2_dtype: Optional[torch.dtype],
                   backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw1, db1, dw2, db2); a bias gradient is empty when its dtype is None."""
-    # recompute the post-activation: the one elementwise pass that saves a hidden-sized tensor
-    h, _ = bias_act_fwd(pre, None, activation, False, "cuda" if backend == "cuda" else "torch")
-    # second layer (identity), then the first with act' applied to dh on the fly: linear_act's
-    # backward (cuda: bias gradient fused into the weight-gradient GEMM)
-    dh, dw2, db2 = linear_act_bwd(dout, h, w2, None, "identity", True, True, b2_dtype is not None, backend)
-    del h
-    dx, dw1, db1 = linear_act_bwd(dh, x, w1, pre, activation, True, True, b1_dtype is not None, backend)
-    return dx, dw1, db1, dw2, db2
+    return _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend)
 
 
 @fused_mlp_bwd.register_fake
@@ -64,7 +77,8 @@ class FusedMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, w1, b1, w2, b2, activation, backend):
-        out, pre = torch.ops.ampkernels.fused_mlp_fwd(x, w1, b1, w2, b2, activation, backend)
+        op = _fwd_impl if _eager_call(x, w1, b1, w2, b2) else torch.ops.ampkernels.fused_mlp_fwd
+        out, pre = op(x, w1, b1, w2, b2, activation, backend)
         ctx.save_for_backward(x, w1, w2, pre)
         ctx.activation, ctx.backend = activation, backend
         ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
@@ -74,8 +88,8 @@ class FusedMLPFunction(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
         x, w1, w2, pre = ctx.saved_tensors
-        dx, dw1, db1, dw2, db2 = torch.ops.ampkernels.fused_mlp_bwd(
-            dout.contiguous(), x, w1, w2, pre, ctx.activation, *ctx.bias_dtypes, ctx.backend)
+        op = _bwd_impl if _eager_call(dout, x, w1, w2, pre) else torch.ops.ampkernels.fused_mlp_bwd
+        dx, dw1, db1, dw2, db2 = op(dout.contiguous(), x, w1, w2, pre, ctx.activation, *ctx.bias_dtypes, ctx.backend)
         none_if_empty = lambda g, dt: None if dt is None else g  # noqa: E731
         return (dx, dw1, none_if_empty(db1, ctx.bias_dtypes[0]), dw2, none_if_empty(db2, ctx.bias_dtypes[1]),
                 None, None)
