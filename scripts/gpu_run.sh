@@ -37,16 +37,17 @@ step() {  # step NAME LOGFILE CMD...: run, log, remember the exit code
   echo "commit ${AMPKERNELS_COMMIT:-unknown}"; } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-step build build.log $PY -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${status[@]}"; exit 1; }
-step doctor doctor.json $PY -m ampkernels doctor --json
-
 if [ "${GPU_JIT_CHECK:-0}" = 1 ]; then
-  # what a plain `pip install .` leaves: the package and its sources, no _C; first use compiles
+  # what a plain `pip install .` leaves: the package and its sources, no _C; first use compiles.
+  # Before the editable install below, whose import hook would shadow this copy.
   jit=$(mktemp -d)
   cp -r ampkernels "$jit/" && rm -f "$jit"/ampkernels/_C*.so && cp -r csrc "$jit/ampkernels/csrc"
   step jit_build jit.log env -C "$jit" PYTHONPATH="$jit" TORCH_EXTENSIONS_DIR="$jit/ext" $PY -c \
-    "import ampkernels, torch; ok, why = ampkernels.available_backends()['cuda']; print(ok, why); assert ok and '(jit)' in why"
+    "import ampkernels, torch; ok, why = ampkernels.available_backends()['cuda']; print(ampkernels.__file__, ok, why); assert ok and '(jit)' in why"
 fi
+step build build.log $PY -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${status[@]}"; exit 1; }
+step doctor doctor.json $PY -m ampkernels doctor --json
+
 if [ "${GPU_TESTS:-tests}" != none ]; then
   # shellcheck disable=SC2086
   step tests tests.log timeout "${TESTS_TIMEOUT:-3000}" $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests}
