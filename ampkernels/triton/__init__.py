@@ -1,0 +1,12 @@
+"""Triton backend kernels (layer_norm, linear_act)."""
+import contextlib
+
+import torch
+
+
+def on_device(x):
+    """Triton launches on the current device: switch to x's device only when it lives
+    elsewhere (the switch costs host time on every call)."""
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()

@@ -15,12 +15,13 @@ torch.ops.ampkernels.norm_{fwd,bwd}_cuda ops (ampkernels/ops/layer_norm.py calls
   in fp32 registers and written as one partial row per program; _col_sum_kernel adds the
   partial rows in a fixed order. No atomics: bitwise repeatable for a given shape and GPU.
 """
-import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from . import on_device
 
 _MAX_FWD_BLOCK = 16384  # elements of a row held in registers by the forward
 _MAX_BWD_BLOCK = 8192   # ... by the backward (x, dy, dweight and dbias sums live at once; 16384 spills)
@@ -263,13 +264,6 @@ def _bwd_config(n):
     return block, rows, warps, 16 // warps, False
 
 
-def _device_ctx(x):
-    # Triton launches on the current device; switch only when x lives elsewhere (saves host time)
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
-        return torch.cuda.device(x.device)
-    return contextlib.nullcontext()
-
-
 def _check_2d(x, name):
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"triton norm: {name} must be a contiguous 2-D tensor, got shape {tuple(x.shape)}")
@@ -293,7 +287,7 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
             rstd if is_rms else mean, rstd, M, N, eps)
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
     block, rows, warps = _fwd_config(N)
-    with _device_ctx(x):
+    with on_device(x):
         if block <= _MAX_FWD_BLOCK:
             _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
         else:
@@ -328,7 +322,7 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
             dw_p if want_dweight else dummy, db_p if want_dbias else dummy, M, N, rows_per_prog)
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DRO=dresidual_out is not None,
                  HAS_DRES=dres.numel() > 0, WANT_DW=want_dweight, WANT_DB=want_dbias)
-    with _device_ctx(x):
+    with on_device(x):
         if looped:
             _norm_bwd_looped_kernel[(progs,)](*args, **flags, BLOCK_N=block, num_warps=warps)
         else:

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import on_device
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # older Triton: the pointer kernel only
@@ -240,6 +242,11 @@ def linear_act_fwd(x, weight, bias, act_id, store_pre, tma=None):
     tma: None picks the TMA kernel on Hopper+ when the operands allow it; True/False force it
     (tests run the TMA kernel under TRITON_INTERPRET=1 this way).
     """
+    with on_device(x):
+        return _fwd(x, weight, bias, act_id, store_pre, tma)
+
+
+def _fwd(x, weight, bias, act_id, store_pre, tma):
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -315,6 +322,7 @@ def linear_act_dz(dy, saved, act_id, want_dbias):
     BLOCK_M, BLOCK_N = (32, 32) if _INTERPRET else (64, 128)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     part = torch.empty((grid[0], N), dtype=torch.float32, device=dy.device) if want_dbias else dz
-    _linear_act_dz_kernel[grid](dy, saved, dz, part, M, N, ACT=act_id, WANT_PARTIAL=want_dbias,
-                                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+    with on_device(dy):
+        _linear_act_dz_kernel[grid](dy, saved, dz, part, M, N, ACT=act_id, WANT_PARTIAL=want_dbias,
+                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
     return dz, (part.sum(0) if want_dbias else None)
