@@ -3,7 +3,8 @@
     python scripts/profile_host.py [T H dtype]   # e.g. 16384 1024 bfloat16
 
 Per variant: GPU time per step (events around 50 back-to-back steps), host time per step
-(enqueueing 50 steps behind a long torch.cuda._sleep, so the host never waits for the GPU),
+(enqueueing 8 steps behind a torch.cuda._sleep, so the host never waits for the GPU; more
+steps would fill the launch queue, and then the host waits),
 and the functions with the most own host time under cProfile. A step whose host time is
 above its GPU time leaves the GPU idle: that is the gap between kernel time and step time.
 """
@@ -20,6 +21,7 @@ import ampkernels.nn as aknn
 T, H = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (16384, 1024)
 dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.bfloat16
 STEPS = 50
+HOST_STEPS = 8
 torch.manual_seed(0)
 eager = torch.nn.Sequential(torch.nn.LayerNorm(H), torch.nn.Linear(H, 4 * H), torch.nn.GELU(approximate="tanh"),
                             torch.nn.Linear(4 * H, H)).cuda()
@@ -44,18 +46,18 @@ for name, block in (("eager", eager), ("fusedmlp", fused), ("convert", converted
     stop.record()
     torch.cuda.synchronize()
     gpu_ms = start.elapsed_time(stop) / STEPS
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU busy-wait: the host never blocks below
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU busy-wait: the host never blocks below
     t0 = time.perf_counter()
-    for _ in range(STEPS):
+    for _ in range(HOST_STEPS):
         step()
-    host_ms = (time.perf_counter() - t0) * 1e3 / STEPS
+    host_ms = (time.perf_counter() - t0) * 1e3 / HOST_STEPS
     torch.cuda.synchronize()
     print(f"\n== {name}: {gpu_ms:.3f} ms/step back to back, host {host_ms:.3f} ms/step")
-    torch.cuda._sleep(2_000_000_000)
+    torch.cuda._sleep(400_000_000)
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(20):
+    for _ in range(HOST_STEPS):
         step()
     prof.disable()
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(16)

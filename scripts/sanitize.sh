@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over the CUDA and Triton
-# kernels of both ops, forward and backward, on boundary shapes (scripts/sanitize_cases.py).
-# Run on the GPU machine after installing the package; writes $OUT/sanitizer.txt.
+# kernels of both ops, forward and backward, on boundary shapes (scripts/sanitize_cases.py,
+# which also checks every output against the reference).
+# Run on the GPU machine after installing the package. Writes $OUT/sanitizer.txt (per run:
+# exit code, time, the tool's summary, error kinds by kernel) and $OUT/sanitizer-logs.tar.gz.
+#   SANITIZER_TOOLS="memcheck initcheck"  SANITIZER_BACKENDS="cuda"  SANITIZER_TIMEOUT=300
+# initcheck also runs the cases through eager PyTorch ("torch", the control): reports it shares
+# with the control come from cuBLAS's kernels or the tool, not from ours.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+logs=$(mktemp -d)
 SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
-export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the sanitizer see each allocation's real bounds
+BACKENDS=${SANITIZER_BACKENDS:-cuda triton}
 summary="$OUT/sanitizer.txt"
-: >"$summary"
-for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
-  log="$OUT/sanitizer-$tool.log"
-  extra=""
+"$SAN" --version | tail -1 >"$summary"
+# compile the Triton kernels once outside the tool (it slows the compiler down tenfold);
+# the runs below load them from Triton's cache
+python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { cat "$logs/warmup.log"; exit 1; }
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the tool see each allocation's real bounds
+run() {  # run TOOL BACKENDS...
+  local tool=$1; shift
+  local log="$logs/$tool-${*// /-}.log" extra="" t0=$SECONDS
   [ "$tool" = memcheck ] && extra="--leak-check full"
-  t0=$SECONDS
-  timeout "${SANITIZER_TIMEOUT:-900}" "$SAN" --tool "$tool" $extra --target-processes all \
-    python3 scripts/sanitize_cases.py ${SANITIZER_BACKENDS:-cuda triton} >"$log" 2>&1
-  rc=$?
-  line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY" "$log" | tail -3 | tr '\n' ' ')
-  echo "$tool: rc=$rc $((SECONDS - t0))s ${line:-no summary (see $log)}" | tee -a "$summary"
-  grep -E "^========= (Invalid|Uninitialized|Race|Barrier|Error)" "$log" | sort | uniq -c | head -10 | tee -a "$summary"
+  timeout "${SANITIZER_TIMEOUT:-600}" "$SAN" --tool "$tool" $extra --target-processes all \
+    python3 scripts/sanitize_cases.py "$@" >"$log" 2>&1
+  local rc=$?
+  local line
+  line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|sanitize case" "$log" | tail -3 | tr '\n' ' ')
+  echo "$tool [$*]: rc=$rc $((SECONDS - t0))s ${line:-no summary}" | tee -a "$summary"
+  # error kind + the kernel it names, counted
+  awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=$0} /^=========     at / && kind {print kind " | " substr($0, 1, 160); kind=""}' \
+    "$log" | sort | uniq -c | sort -rn | head -8 | tee -a "$summary"
+}
+for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
+  run "$tool" $BACKENDS
+  [ "$tool" = initcheck ] && run initcheck torch
 done
+tar -czf "$OUT/sanitizer-logs.tar.gz" -C "$logs" .

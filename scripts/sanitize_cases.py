@@ -1,16 +1,35 @@
 """The kernels of both op families, forward and backward, on odd and boundary shapes, for
-compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short."""
+compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short.
+
+    python scripts/sanitize_cases.py [cuda] [triton] [torch]
+
+Every output is also checked against the reference (a wrong result exits non-zero), so an
+uninitialised-read report on an output that matches the reference points at the tool.
+"torch" runs the same cases through eager PyTorch: a control for reports that stem from
+cuBLAS's own kernels or the tool rather than from ours.
+"""
 import sys
 
 import torch
 
 import ampkernels
+from ampkernels import reference
 
 backends = sys.argv[1:] or ["cuda", "triton"]
 torch.manual_seed(0)
-dev = "cuda"
+dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: "torch" only, to try the script
+
+
+def check(name, got, want, tol):
+    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    scale = max(1.0, want.float().abs().max().item()) if want.numel() else 1.0
+    if not err <= tol * scale:  # NaN fails too
+        sys.exit(f"sanitize case {name}: max error {err} > {tol} * {scale}")
+
+
 for backend in backends:
     for dtype in (torch.float16, torch.bfloat16):
+        tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
         for n in (1, 7, 8191, 65536):
             for rows in (1, 3):
                 x = torch.randn(rows, n, device=dev, dtype=dtype, requires_grad=True)
@@ -18,14 +37,23 @@ for backend in backends:
                 w = torch.randn(n, device=dev, requires_grad=True)
                 b = torch.randn(n, device=dev, requires_grad=True)
                 out, s = ampkernels.layer_norm(x, (n,), w, b, residual=r, backend=backend)
+                check(f"{backend} layer_norm {dtype} {rows}x{n}", out,
+                      reference.layer_norm(x.detach(), (n,), w.detach(), b.detach(), residual=r.detach())[0], 4 * tol)
                 (out.float().sum() + s.float().sum()).backward()
-                ampkernels.rms_norm(x, (n,), w, backend=backend).float().sum().backward()
+                out = ampkernels.rms_norm(x, (n,), w, backend=backend)
+                check(f"{backend} rms_norm {dtype} {rows}x{n}", out, reference.rms_norm(x.detach(), (n,), w.detach()),
+                      4 * tol)
+                out.float().sum().backward()
         for (m, k, n) in ((1, 13, 7), (5, 64, 24), (33, 13, 8), (70, 136, 200)):
             for activation in ampkernels.ACTIVATIONS:
                 for bias in (True, False):
                     x = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
                     w = torch.randn(n, k, device=dev, dtype=dtype, requires_grad=True)
                     bb = torch.randn(n, device=dev, dtype=dtype, requires_grad=True) if bias else None
-                    ampkernels.linear_act(x, w, bb, activation, backend=backend).float().sum().backward()
-    torch.cuda.synchronize()
+                    y = ampkernels.linear_act(x, w, bb, activation, backend=backend)
+                    want = reference.linear_act(x.detach(), w.detach(), None if bb is None else bb.detach(), activation)
+                    check(f"{backend} linear_act {activation} bias={bias} {dtype} {m}x{k}x{n}", y, want, tol)
+                    y.float().sum().backward()
+    if dev == "cuda":
+        torch.cuda.synchronize()
     print(f"sanitize cases done: {backend}", flush=True)
