@@ -21,6 +21,7 @@ the pre-activation (one GEMM) in backward. dbias is accumulated in fp32.
 Pieces, in the order data meets them: custom ops (forward, backward) with fake
 implementations -> autograd Function (custom_fwd/custom_bwd) -> "auto" table -> functional API.
 """
+import functools
 from typing import Optional
 
 import torch
@@ -212,8 +213,14 @@ def auto_preference(device, dtype, activation, m, n, k, training=False):
     return _preference(device, dtype, activation, _shape_bucket(m, n, k), training)
 
 
+@functools.lru_cache(None)
+def _cc_major(device_index):
+    return torch.cuda.get_device_capability(device_index)[0]  # a few microseconds per call uncached
+
+
 def _preference(device, dtype, activation, bucket, training):
-    cc = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
+    cc = _cc_major(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 0
     return _AUTO_TABLE.get((cc, dtype, activation, bucket, training), _AUTO_DEFAULT)
 
 
