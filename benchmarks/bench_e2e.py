@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .common import guard, standalone_main
+from .common import guard, progress, standalone_main
 
 
 def synthetic_batches(steps, batch, seq, vocab, seed=0):
@@ -34,8 +34,6 @@ def synthetic_batches(steps, batch, seq, vocab, seed=0):
 def run(recorder, dtypes, quick):
     import transformers
 
-    import ampkernels.nn as aknn
-
     layers, batch, seq = (4, 8, 512) if quick else (12, 8, 1024)
     steps, timed = (8, 4) if quick else (30, 15)
     cfg = transformers.GPT2Config(n_embd=768, n_layer=layers, n_head=12, n_positions=seq, vocab_size=50257,
@@ -48,48 +46,54 @@ def run(recorder, dtypes, quick):
         tag = "fp16" if dt == torch.float16 else "bf16"
         modes += [(f"amp_{tag}", dt, None), (f"amp_{tag}_ampkernels", dt, "convert"),
                   (f"amp_{tag}_compile", dt, "compile")]
-    for name, dtype, variant in modes:
-        def measure():
-            model = copy.deepcopy(base).cuda().train()
-            if variant == "convert":  # GPT-2's norms feed only matmuls: emit the autocast dtype
-                aknn.convert(model, norm_out_dtype="autocast")
-            fwd = model
-            if variant == "compile":
-                torch._dynamo.reset()
-                fwd = torch.compile(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-            scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            times, loss = [], None
-            for i, ids in enumerate(data):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0 = time.time()
-                start.record()
-                with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-                    loss = fwd(ids, labels=ids).loss
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
-                end.record()
-                end.synchronize()
-                if i == 0:
-                    first_s = time.time() - t0  # includes compilation for torch.compile
-                if i >= steps - timed:
-                    times.append(start.elapsed_time(end))
-            times.sort()
-            ms = times[len(times) // 2]
-            recorder.add(op="e2e_gpt2", provider=name, **{"pass": "train_step"},
-                         dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
-                         shape=f"L={layers},B={batch},S={seq}", metric="ms", value=round(ms, 2), ms=ms,
-                         tokens_per_s=round(batch * seq / ms * 1e3), peak_mem_GiB=round(
-                             torch.cuda.max_memory_allocated() / 2**30, 2),
-                         final_loss=round(loss.item(), 4), steps=steps, first_step_s=round(first_s, 1))
-            del model, opt
-
-        guard(recorder, f"e2e {name}", measure)
+    shape = f"L={layers},B={batch},S={seq}"
+    for name, dtype, variant in progress(modes, "e2e_gpt2", lambda m: m[0]):
+        guard(recorder, f"e2e {name}", _train, recorder, base, data, name, dtype, variant, timed, shape)
         torch.cuda.empty_cache()
+
+
+def _train(recorder, base, data, name, dtype, variant, timed, shape):
+    """One mode: train a copy of `base` on `data`; a row with the median step time of the last
+    `timed` steps, peak memory and the final loss."""
+    import ampkernels.nn as aknn
+
+    model = copy.deepcopy(base).cuda().train()
+    if variant == "convert":  # GPT-2's norms feed only matmuls: emit the autocast dtype
+        aknn.convert(model, norm_out_dtype="autocast")
+    fwd = model
+    if variant == "compile":
+        torch._dynamo.reset()
+        fwd = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, loss, steps = [], None, len(data)
+    for i, ids in enumerate(data):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.time()
+        start.record()
+        with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+            loss = fwd(ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        end.synchronize()
+        if i == 0:
+            first_s = time.time() - t0  # includes compilation for torch.compile
+        if i >= steps - timed:
+            times.append(start.elapsed_time(end))
+    times.sort()
+    ms = times[len(times) // 2]
+    batch, seq = data[0].shape
+    recorder.add(op="e2e_gpt2", provider=name, **{"pass": "train_step"},
+                 dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
+                 shape=shape, metric="ms", value=round(ms, 2), ms=ms,
+                 tokens_per_s=round(batch * seq / ms * 1e3), peak_mem_GiB=round(
+                     torch.cuda.max_memory_allocated() / 2**30, 2),
+                 final_loss=round(loss.item(), 4), steps=steps, first_step_s=round(first_s, 1))
 
 
 def report(rows):

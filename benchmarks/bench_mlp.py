@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from .common import bench, guard, standalone_main
+from .common import bench, guard, progress, standalone_main
 
 SHAPES = [(16384, 1024), (8192, 4096)]
 
@@ -50,38 +50,39 @@ def run(recorder, dtypes, quick):
     shapes = SHAPES[:1] if quick else SHAPES
     for tokens, hidden in shapes:
         providers, eager = _providers(hidden)
-        for name, block, dtype in providers:
-            if dtype is not None and dtype not in dtypes and "fp32" not in name:
-                continue
-
-            def measure():
-                if block == "compile":
-                    torch._dynamo.reset()
-                    f = torch.compile(copy.deepcopy(eager))
-                else:
-                    f = block
-                x = torch.randn(tokens, hidden, device="cuda", requires_grad=True)
-
-                def step():
-                    with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-                        y = x + f(x)
-                    y.float().square().mean().backward()
-
-                for _ in range(3):
-                    step()
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                ms, p20, p80 = bench(step, rep=200 if not quick else 50)
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                recorder.add(op="mlp_block", provider=name, **{"pass": "train_step"},
-                         dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
-                             shape=f"T={tokens},H={hidden}", T=tokens, H=hidden, metric="ms", value=round(ms, 4),
-                             ms=ms, ms_p20=p20, ms_p80=p80, peak_extra_MiB=round(peak, 1),
-                             tokens_per_s=round(tokens / ms * 1e3))
-
-            guard(recorder, f"mlp_block {name} T={tokens} H={hidden}", measure)
+        chosen = [p for p in providers if p[2] is None or p[2] in dtypes or "fp32" in p[0]]
+        for name, block, dtype in progress(chosen, f"mlp_block T={tokens} H={hidden}", lambda p: p[0]):
+            guard(recorder, f"mlp_block {name} T={tokens} H={hidden}", _step_time, recorder, name, block, eager,
+                  dtype, tokens, hidden, quick)
             torch.cuda.empty_cache()
+
+
+def _step_time(recorder, name, block, eager, dtype, tokens, hidden, quick):
+    """One provider: ms per training step of y = x + block(x) and its peak extra memory."""
+    if block == "compile":
+        torch._dynamo.reset()
+        f = torch.compile(copy.deepcopy(eager))
+    else:
+        f = block
+    x = torch.randn(tokens, hidden, device="cuda", requires_grad=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+            y = x + f(x)
+        y.float().square().mean().backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ms, p20, p80 = bench(step, rep=200 if not quick else 50)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    recorder.add(op="mlp_block", provider=name, **{"pass": "train_step"},
+                 dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
+                 shape=f"T={tokens},H={hidden}", T=tokens, H=hidden, metric="ms", value=round(ms, 4),
+                 ms=ms, ms_p20=p20, ms_p80=p80, peak_extra_MiB=round(peak, 1),
+                 tokens_per_s=round(tokens / ms * 1e3))
 
 
 def report(rows):

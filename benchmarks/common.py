@@ -2,13 +2,15 @@
 environment (GPU, versions, commit) and result rows appended as JSON lines.
 
 A row: {op, provider, shape..., dtype, pass (fwd|bwd|fwd_bwd), metric, value, ms, ms_p20,
-ms_p80, gpu, cc, torch, cuda, triton, commit, time}. Plots and reports read these rows.
+ms_p80, gpu, cc, torch, cuda, triton, commit, time}; rows of a public provider (providers.py)
+also carry provider_version. Plots and reports read these rows.
 """
 import datetime
 import functools
 import json
 import os
 import subprocess
+import sys
 
 import torch
 
@@ -24,12 +26,12 @@ def environment():
         pass
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
-        env["cc"] = "%d.%d" % torch.cuda.get_device_capability()
+        env["cc"] = "{}.{}".format(*torch.cuda.get_device_capability())
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or os.environ.get("AMPKERNELS_COMMIT")
-    except Exception:
+                                       text=True, timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):  # no git, or no answer: the variable below names it
         env["commit"] = os.environ.get("AMPKERNELS_COMMIT")
     env["commit"] = env["commit"] or os.environ.get("AMPKERNELS_COMMIT", "unknown")
     return env
@@ -65,20 +67,56 @@ class Recorder:
         row = {**row, **environment(), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         self.rows.append(row)
         keys = [k for k in ("op", "provider", "pass", "dtype", "shape") if k in row]
-        print("  ".join(f"{row[k]}" for k in keys), f"{row.get('value')} {row.get('metric', '')}", flush=True)
+        line = "  ".join(f"{row[k]}" for k in keys) + f" {row.get('value')} {row.get('metric', '')}"
+        if _bar is not None:
+            _bar.write(line, file=sys.stdout)  # above the progress bar, not through it
+        else:
+            print(line, flush=True)
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         return row
 
 
-def guard(recorder, what, fn):
-    """Run one measurement; record an error row instead of losing the whole run."""
+def guard(recorder, what, fn, *args, **kwargs):
+    """fn(*args, **kwargs): one measurement; an error row instead of losing the whole run."""
     try:
-        return fn()
-    except Exception as e:  # a failing provider must not stop the side-by-side run
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- a failing provider must not stop the side-by-side run
         recorder.add(op=what, provider="error", metric="error", value=f"{type(e).__name__}: {str(e)[:300]}")
         return None
+
+
+_bar = None  # the tqdm bar of the running progress(), if any: Recorder.add prints above it
+
+
+def progress(cases, desc, label=str):
+    """Yield each of an op's cases in turn, saying how far the list has got: a tqdm bar when
+    stderr is a terminal and tqdm is installed, else an "[i/n] desc: case" line on stderr
+    before each case, so that a log of a long sweep shows where it is (or where it died)."""
+    global _bar
+    cases = list(cases)
+    bar = None
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(cases), desc=desc, file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            pass
+    _bar = bar
+    try:
+        for i, case in enumerate(cases, 1):
+            if bar is not None:
+                bar.set_postfix_str(label(case))
+            else:
+                print(f"[{i}/{len(cases)}] {desc}: {label(case)}", file=sys.stderr, flush=True)
+            yield case
+            if bar is not None:
+                bar.update()
+    finally:
+        _bar = None
+        if bar is not None:
+            bar.close()
 
 
 def standalone_main(name, doc, run, report, argv=None, extra_args=None, special=None):

@@ -79,7 +79,7 @@ def plot_linear(plt, rows, path):
             vals = [next((r["value"] for r in prs if (r["M"], r["K"], r["N"]) == s and r["provider"] == provider
                           and r.get("activation") == act), 0) for s in shapes]
             label = provider if act in (None, "identity", "none") else f"{provider} {act}"
-            kw = dict(color="k", alpha=0.35) if "matmul" in provider else {}
+            kw = {"color": "k", "alpha": 0.35} if "matmul" in provider else {}
             ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=label, **kw)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"{m}x{k}x{n}" for m, k, n in shapes],
                       fontsize=7)
