@@ -8,41 +8,79 @@ Providers, per op (layer_norm, rms_norm), dtype and N (M = 2^27 / N rows):
                          autocast (fwd only; torch upcasts and returns fp32)
   ampkernels-<backend>   each live backend, params in x.dtype
   ampkernels-<backend>-autocast   the same under autocast with fp32 params (the AMP case)
+  liger, quack, apex, flash_attn  public kernels, each when it imports (providers.py), params
+                         in x.dtype (fp32 where the kernel takes only fp32: param_dtype in the row)
 Bytes (as ../shared/baselines): fwd = x read + y written, bwd = x and dy read + dx written,
 all at x's element size (so the autocast rows are "TB/s-equivalent"). Backward is timed alone
 (retain_graph, grads set to None between runs). Rows: TB/s with median/p20/p80 ms.
 
     python -m benchmarks.bench_layer_norm --out DIR [--quick]
 """
+import collections
+import functools
+import types
 
 import torch
 import torch.nn.functional as F
 
-from .common import bench, guard, standalone_main
+from . import providers
+from .common import bench, guard, progress, standalone_main
 
 NS = (768, 1024, 2048, 4096, 8192, 16384)
 QUICK_NS = (768, 2048, 8192, 16384)
 TOTAL = 2**27
 OPS = ("layer_norm", "rms_norm")
+EPS = 1e-5
 FWD_TARGET, BWD_TARGET, BACKEND_SHARE, AUTOCAST_SPEEDUP = 3.9, 3.2, 0.85, 5.0
+
+# make(op, n) -> fn(x, w, b); fp32_params: timed with w32/b32; autocast: run under autocast(x.dtype)
+Spec = collections.namedtuple("Spec", "make fp32_params autocast passes fields")
+BOTH = ("fwd", "bwd")
 
 
 def _eager(op, n):
     if op == "layer_norm":
-        return lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5)
-    return lambda x, w, b: F.rms_norm(x, (n,), w, 1e-5)
+        return lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)
+    return lambda x, w, b: F.rms_norm(x, (n,), w, EPS)
+
+
+def _compiled(op, n):
+    torch._dynamo.reset()  # fresh per shape: no recompile limit, no guards from earlier shapes
+    return torch.compile(_eager(op, n))
 
 
 def _ours(op, n, backend):
     import ampkernels
     if op == "layer_norm":
-        return lambda x, w, b: ampkernels.layer_norm(x, (n,), w, b, 1e-5, backend=backend)
-    return lambda x, w, b: ampkernels.rms_norm(x, (n,), w, 1e-5, backend=backend)
+        return lambda x, w, b: ampkernels.layer_norm(x, (n,), w, b, EPS, backend=backend)
+    return lambda x, w, b: ampkernels.rms_norm(x, (n,), w, EPS, backend=backend)
 
 
 def _module(op, n):
-    m = torch.nn.LayerNorm(n, device="cuda") if op == "layer_norm" else torch.nn.RMSNorm(n, eps=1e-5, device="cuda")
+    m = torch.nn.LayerNorm(n, device="cuda") if op == "layer_norm" else torch.nn.RMSNorm(n, eps=EPS, device="cuda")
     return lambda x, w, b: m(x)
+
+
+def _public(fn):
+    return lambda op, n: lambda x, w, b: fn(x, w, b, EPS)
+
+
+def _specs(op, live, public, device):
+    """provider -> Spec for one op, in the order they are measured."""
+    specs = {"eager": Spec(_eager, False, False, BOTH, {})}
+    if device == "cuda":
+        specs["compile"] = Spec(_compiled, False, False, BOTH, {})
+        specs["autocast"] = Spec(_module, True, True, ("fwd",), {})
+        for backend in live:
+            make = functools.partial(_ours, backend=backend)
+            specs[f"ampkernels-{backend}"] = Spec(make, False, False, BOTH, {})
+            specs[f"ampkernels-{backend}-autocast"] = Spec(make, True, True, BOTH, {})
+    for p in public:
+        impl = p.ops.get(op)
+        if impl is not None:
+            specs[p.name] = Spec(_public(impl.fn), impl.fp32_params, False, BOTH if impl.bwd else ("fwd",),
+                                 p.fields(op))
+    return specs
 
 
 def _record(recorder, op, provider, pas, dtype, n, m, ms, nbytes, **extra):
@@ -52,33 +90,39 @@ def _record(recorder, op, provider, pas, dtype, n, m, ms, nbytes, **extra):
                         ms_p20=round(p20, 4), ms_p80=round(p80, 4), **extra)
 
 
-def _fwd_bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, bwd=True):
-    m = x.shape[0]
-    e = x.element_size()
-    timing = dict(warmup=10 if quick else 25, rep=40 if quick else 100)
-    ctx = (lambda: torch.autocast("cuda", dtype=autocast)) if autocast else torch.enable_grad
+def _timing(quick):
+    return {"warmup": 10 if quick else 25, "rep": 40 if quick else 100}
+
+
+def _autocast(dtype):
+    return (lambda: torch.autocast("cuda", dtype=dtype)) if dtype else torch.enable_grad
+
+
+def _fwd(recorder, op, provider, fn, x, w, b, n, quick, autocast=None, **fields):
+    m, e = x.shape[0], x.element_size()
+    timing = _timing(quick)
 
     def fwd():
-        with ctx(), torch.no_grad():
+        with _autocast(autocast)(), torch.no_grad():
             return fn(x, w, b)
 
     fwd()  # compile / warm up outside the timing
-    extra = {}
     if provider.startswith("ampkernels-"):
         # the same forward replayed from a CUDA graph: the kernels without host time (diagnostic)
-        extra["graph_TBps"] = round(2 * m * n * e / _graph_ms(fwd, timing) / 1e9, 3)
-    _record(recorder, op, provider, "fwd", x.dtype, n, m, bench(fwd, **timing), 2 * m * n * e, **extra)
-    if not bwd:
-        return
+        fields["graph_TBps"] = round(2 * m * n * e / _graph_ms(fwd, timing) / 1e9, 3)
+    _record(recorder, op, provider, "fwd", x.dtype, n, m, bench(fwd, **timing), 2 * m * n * e, **fields)
+
+
+def _bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, **fields):
+    m, e = x.shape[0], x.element_size()
     leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
     xg, wg = leaves[0], leaves[1]
     bg = leaves[2] if len(leaves) > 2 else None
-    with ctx():
+    with _autocast(autocast)():
         out = fn(xg, wg, bg)
     out.backward(dy, retain_graph=True)
-    _record(recorder, op, provider, "bwd", x.dtype, n, m,
-            bench(lambda: out.backward(dy, retain_graph=True), grad_to_none=leaves, **timing), 3 * m * n * e)
-    del out
+    ms = bench(functools.partial(out.backward, dy, retain_graph=True), grad_to_none=leaves, **_timing(quick))
+    _record(recorder, op, provider, "bwd", x.dtype, n, m, ms, 3 * m * n * e, **fields)
 
 
 def _graph_ms(fn, timing):
@@ -104,82 +148,110 @@ def sweep(recorder, ns=QUICK_NS, dtype=torch.float16):
     """Triton launch configurations (ROWS, num_warps, programs per SM, looped) for the
     LayerNorm launchers alone, timed side by side: the data behind _fwd_config/_bwd_config."""
     import triton
+
     from ampkernels.triton import layer_norm as tln
 
+    cases = []
+    for n in ns:
+        block = triton.next_power_of_2(n)
+        cases += [(n, "fwd", (block, rows, warps)) for rows, warps in SWEEP[n][0]]
+        bwd = [(block, r, wp, ps, False) for r, wp in SWEEP[n][1] for ps in (1, 2, 4, 8) if 16 <= wp * ps <= 64]
+        if n >= 8192:
+            bwd += [(4096, 1, 16, 1, True), (4096, 1, 8, 2, True)]
+        cases += [(n, "bwd", cfg) for cfg in bwd]
     fwd_config, bwd_config = tln._fwd_config, tln._bwd_config
+    t = None
     try:
-        for n in ns:
-            m = TOTAL // n
-            block = triton.next_power_of_2(n)
-            x = torch.randn(m, n, device="cuda", dtype=dtype)
-            dy = torch.randn_like(x)
-            w, b = torch.rand(n, device="cuda", dtype=dtype) + 0.5, torch.randn(n, device="cuda", dtype=dtype)
-            fcands = SWEEP[n][0]
-            for rows, warps in fcands:
-                tln._fwd_config = lambda _n, c=(block, rows, warps): c
-                fn = lambda: tln.norm_fwd(x, w, b, None, 1e-5, False, None, False)  # noqa: E731
-                guard(recorder, "sweep", lambda: recorder.add(
-                    op="layer_norm", provider=f"sweep-triton-r{rows}-w{warps}", **{"pass": "fwd"},
-                    dtype=str(dtype)[6:], N=n, M=m, metric="TB/s-sweep",
-                    value=round(2 * m * n * 2 / bench(fn, warmup=5, rep=20)[0] / 1e9, 3)))
-            mean, rstd = tln.norm_fwd(x, w, b, None, 1e-5, False, None, False)[2:]
-            bcands = [(block, r, wp, ps, False) for r, wp in SWEEP[n][1] for ps in (1, 2, 4, 8) if 16 <= wp * ps <= 64]
-            if n >= 8192:
-                bcands += [(4096, 1, 16, 1, True), (4096, 1, 8, 2, True)]
-            for cfg in bcands:
-                tln._bwd_config = lambda _n, c=cfg: c
-                fn = lambda: tln.norm_bwd(dy, x, w, mean, rstd, None, False, True, True, dtype, None, None)  # noqa
-                guard(recorder, "sweep", lambda: recorder.add(
-                    op="layer_norm", provider="sweep-triton-r%d-w%d-p%d%s" % (cfg[1], cfg[2], cfg[3],
-                                                                               "-looped" if cfg[4] else ""),
-                    **{"pass": "bwd"}, dtype=str(dtype)[6:], N=n, M=m, metric="TB/s-sweep",
-                    value=round(3 * m * n * 2 / bench(fn, warmup=5, rep=20)[0] / 1e9, 3)))
-            del x, dy
-            torch.cuda.empty_cache()
+        for n, pas, cfg in progress(cases, "layer_norm sweep", lambda c: f"N={c[0]} {c[1]} {c[2]}"):
+            if t is None or t.x.shape[1] != n:
+                t = None  # free the last N's tensors first
+                torch.cuda.empty_cache()
+                t = _inputs(dtype, n, "cuda")
+                t.mean, t.rstd = tln.norm_fwd(t.x, t.w, t.b, None, EPS, False, None, False)[2:]
+            guard(recorder, "sweep", _sweep_case, recorder, tln, t, n, pas, cfg)
     finally:
         tln._fwd_config, tln._bwd_config = fwd_config, bwd_config
 
 
-def run(recorder, dtypes=(torch.float16, torch.bfloat16), quick=False):
+def _sweep_case(recorder, tln, t, n, pas, cfg):
+    m, dtype = t.x.shape[0], t.x.dtype
+    if pas == "fwd":
+        tln._fwd_config = lambda _n: cfg
+        fn = functools.partial(tln.norm_fwd, t.x, t.w, t.b, None, EPS, False, None, False)
+        provider, nbytes = f"sweep-triton-r{cfg[1]}-w{cfg[2]}", 2 * m * n * 2
+    else:
+        tln._bwd_config = lambda _n: cfg
+        fn = functools.partial(tln.norm_bwd, t.dy, t.x, t.w, t.mean, t.rstd, None, False, True, True, dtype, None, None)
+        provider = f"sweep-triton-r{cfg[1]}-w{cfg[2]}-p{cfg[3]}{'-looped' if cfg[4] else ''}"
+        nbytes = 3 * m * n * 2
+    recorder.add(op="layer_norm", provider=provider, **{"pass": pas}, dtype=str(dtype)[6:], N=n, M=m,
+                 metric="TB/s-sweep", value=round(nbytes / bench(fn, warmup=5, rep=20)[0] / 1e9, 3))
+
+
+def _inputs(dtype, n, device):
+    torch.manual_seed(0)
+    m = TOTAL // n
+    x = torch.randn(m, n, device=device, dtype=dtype)
+    w, b = torch.rand(n, device=device, dtype=dtype) + 0.5, torch.randn(n, device=device, dtype=dtype)
+    return types.SimpleNamespace(x=x, dy=torch.randn(m, n, device=device, dtype=dtype), w=w, b=b,
+                                 w32=w.float(), b32=b.float())
+
+
+def run(recorder, dtypes=(torch.float16, torch.bfloat16), quick=False, device="cuda"):
+    """Every provider side by side. device="cpu" only smoke-tests this code (tests use it with a
+    tiny TOTAL and NS): eager and the public providers, numbers meaningless."""
     import ampkernels
 
-    live = [name for name, (ok, _) in ampkernels.available_backends().items() if ok and name in ("cuda", "triton")]
-    for dtype in dtypes:
-        for n in QUICK_NS if quick else NS:
-            m = TOTAL // n
-            torch.manual_seed(0)
-            x = torch.randn(m, n, device="cuda", dtype=dtype)
-            dy = torch.randn(m, n, device="cuda", dtype=dtype)
-            w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
-            b = torch.randn(n, device="cuda", dtype=dtype)
-            w32, b32 = w.float(), b.float()
-            out = torch.empty_like(x)
-            guard(recorder, "copy", lambda: _record(recorder, "copy", "copy", "fwd", dtype, n, m,
-                                                    bench(lambda: out.copy_(x)), 2 * m * n * x.element_size()))
-            del out
-            for op in OPS:
-                bb = b if op == "layer_norm" else None
-                bb32 = b32 if op == "layer_norm" else None
-                guard(recorder, op, lambda: _fwd_bwd(recorder, op, "eager", _eager(op, n), x, w, bb, dy, n, quick))
+    live = [name for name, (ok, _) in ampkernels.available_backends().items()
+            if ok and name in ("cuda", "triton") and device == "cuda"]
+    specs = {op: _specs(op, live, providers.discover(), device) for op in OPS}
+    # one case per (dtype, N, op, provider, pass), in the order measured: progress counts these
+    cases = [(dtype, n, op, provider, pas) for dtype in dtypes for n in (QUICK_NS if quick else NS)
+             for op, provs in [("copy", {"copy": Spec(None, False, False, ("fwd",), {})})] + list(specs.items())
+             for provider, spec in provs.items() for pas in spec.passes]
+    t, fns = None, {}
+    for dtype, n, op, provider, pas in progress(cases, "layer_norm/rms_norm",
+                                                lambda c: f"{str(c[0])[6:]} N={c[1]} {c[2]} {c[3]} {c[4]}"):
+        if t is None or (t.x.dtype, t.x.shape[1]) != (dtype, n):
+            t, fns = None, {}  # free the last shape's tensors and compiled functions first
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            t = _inputs(dtype, n, device)
+        if op == "copy":
+            guard(recorder, "copy", _copy, recorder, t)
+        else:
+            guard(recorder, f"{op} {provider} {pas}", _measure, recorder, specs[op][provider], fns, t, op, provider,
+                  pas, quick)
 
-                def compiled():
-                    torch._dynamo.reset()
-                    _fwd_bwd(recorder, op, "compile", torch.compile(_eager(op, n)), x, w, bb, dy, n, quick)
-                guard(recorder, op, compiled)
-                guard(recorder, op, lambda: _fwd_bwd(recorder, op, "autocast", _module(op, n), x, w32, bb32, dy, n,
-                                                     quick, autocast=dtype, bwd=False))
-                for backend in live:
-                    guard(recorder, op, lambda: _fwd_bwd(recorder, op, f"ampkernels-{backend}", _ours(op, n, backend),
-                                                         x, w, bb, dy, n, quick))
-                    guard(recorder, op, lambda: _fwd_bwd(recorder, op, f"ampkernels-{backend}-autocast",
-                                                         _ours(op, n, backend), x, w32, bb32, dy, n, quick,
-                                                         autocast=dtype))
-            del x, dy
-            torch.cuda.empty_cache()
+
+def _copy(recorder, t):
+    x, out = t.x, torch.empty_like(t.x)
+    _record(recorder, "copy", "copy", "fwd", x.dtype, x.shape[1], x.shape[0], bench(functools.partial(out.copy_, x)),
+            2 * x.numel() * x.element_size())
+
+
+def _measure(recorder, spec, fns, t, op, provider, pas, quick):
+    n = t.x.shape[1]
+    if (op, provider) not in fns:  # built once per shape: fwd and bwd time the same function
+        fns[(op, provider)] = spec.make(op, n)
+    w, b = (t.w32, t.b32) if spec.fp32_params else (t.w, t.b)
+    b = b if op == "layer_norm" else None
+    autocast = t.x.dtype if spec.autocast else None
+    if pas == "fwd":
+        _fwd(recorder, op, provider, fns[(op, provider)], t.x, w, b, n, quick, autocast, **spec.fields)
+    else:
+        _bwd(recorder, op, provider, fns[(op, provider)], t.x, w, b, t.dy, n, quick, autocast, **spec.fields)
+
+
+def _verdict(ok):
+    return "PASS" if ok else "FALLS SHORT"
 
 
 def report(rows):
-    """One line per target of issue 3 / DESIGN.md, per op, pass, dtype and N."""
+    """One line per target of issue 3 / DESIGN.md, per op, pass, dtype and N; where public
+    kernels were measured, the best of them against our best (DESIGN.md: never below it)."""
+    public = {r["provider"] for r in rows if r.get("provider_version")}
+    fp32_params = {r["provider"] for r in rows if r.get("param_dtype") == "float32"}
     value = {}
     for r in rows:
         if r.get("metric") == "TB/s":
@@ -187,7 +259,6 @@ def report(rows):
     lines = []
     keys = sorted({(k[0], k[2], k[3], k[4]) for k in value if k[0] in OPS and k[1].startswith("ampkernels-")
                    and not k[1].endswith("-autocast")})
-    verdict = lambda ok: "PASS" if ok else "FALLS SHORT"  # noqa: E731
     for op, pas, dtype, n in keys:
         ours = {p: v for (o, p, s, d, nn), v in value.items()
                 if (o, s, d, nn) == (op, pas, dtype, n) and p.startswith("ampkernels-") and not p.endswith("-autocast")}
@@ -197,15 +268,21 @@ def report(rows):
         copy = value.get(("copy", "copy", "fwd", dtype, n))
         rel = f" ({best / copy:.0%} of copy {copy})" if copy else ""
         lines.append(f"{op} {pas} {dtype} N={n}: best {best_p} {best:.2f} TB/s{rel} >= {target}: "
-                     f"{verdict(best >= target)}")
+                     f"{_verdict(best >= target)}")
         for p, v in sorted(ours.items()):
             lines.append(f"{op} {pas} {dtype} N={n}: {p} {v:.2f} TB/s >= {BACKEND_SHARE:.0%} of {target} "
-                         f"({BACKEND_SHARE * target:.2f}): {verdict(v >= BACKEND_SHARE * target)}")
+                         f"({BACKEND_SHARE * target:.2f}): {_verdict(v >= BACKEND_SHARE * target)}")
         for base in ("eager", "compile"):
             bv = value.get((op, base, pas, dtype, n))
             if bv is not None:
                 lines.append(f"{op} {pas} {dtype} N={n}: best {best:.2f} vs {base} {bv:.2f} TB/s "
-                             f"({best / bv:.2f}x) >= 1x: {verdict(best >= bv)}")
+                             f"({best / bv:.2f}x) >= 1x: {_verdict(best >= bv)}")
+        pub = {p: v for (o, p, s, d, nn), v in value.items() if (o, s, d, nn) == (op, pas, dtype, n) and p in public}
+        if pub:
+            pp = max(pub, key=pub.get)
+            params = " (fp32 params)" if pp in fp32_params else ""
+            lines.append(f"{op} {pas} {dtype} N={n}: best {best:.2f} vs best public {pp}{params} {pub[pp]:.2f} TB/s "
+                         f"({best / pub[pp]:.2f}x) >= 1x: {_verdict(best >= pub[pp])}")
         if pas == "fwd":
             amp = value.get((op, "autocast", "fwd", dtype, n))
             ac = {p: v for (o, p, s, d, nn), v in value.items()
@@ -214,7 +291,7 @@ def report(rows):
                 bp = max(ac, key=ac.get)
                 lines.append(f"{op} fwd {dtype} N={n}: autocast fp32 params {bp} {ac[bp]:.2f} vs nn under autocast "
                              f"{amp:.2f} TB/s-eq ({ac[bp] / amp:.1f}x) >= {AUTOCAST_SPEEDUP}x: "
-                             f"{verdict(ac[bp] >= AUTOCAST_SPEEDUP * amp)}")
+                             f"{_verdict(ac[bp] >= AUTOCAST_SPEEDUP * amp)}")
     return lines
 
 

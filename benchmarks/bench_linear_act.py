@@ -6,6 +6,8 @@ Providers, per shape (M, K, N), dtype and activation:
   addmm_act         torch._addmm_activation (cuBLASLt GELU/ReLU epilogue; relu and gelu_tanh)
   compile           torch.compile of eager (fresh per shape: torch._dynamo.reset())
   ampkernels-cuda, ampkernels-triton (and ampkernels-triton-ptr: the pointer kernel, TMA off)
+  apex              public kernels when they import (providers.py): apex's FusedDense (bias in
+                    the cuBLASLt epilogue), then the activation
 Passes: "fwd" = inference (no grad, nothing saved); "fwd_bwd" = training forward + backward
 (dx, dW, db). Rows: TFLOP/s (2MNK fwd, 6MNK fwd+bwd) with median/p20/p80 ms, the relative
 error of each provider's output against an fp32 reference, and the bytes each provider keeps
@@ -13,12 +15,15 @@ alive after a training forward (saved tensors + output).
 
     python -m benchmarks.bench_linear_act --out DIR [--quick]
 """
+import functools
 import os
+import types
 
 import torch
 import torch.nn.functional as F
 
-from .common import bench, guard, standalone_main
+from . import providers
+from .common import bench, guard, progress, standalone_main
 
 SHAPES = [(4096, 768, 3072), (8192, 1024, 4096), (8192, 4096, 4096), (8192, 4096, 16384)]
 ACTIVATIONS = ("gelu_tanh", "relu", "gelu", "silu")
@@ -39,21 +44,62 @@ def _addmm(x, w, b, activation):
     return torch._addmm_activation(b, x, w.t(), use_gelu=activation == "gelu_tanh")
 
 
-def _providers(activation):
+def _matmul(x, w, b):
+    return F.linear(x, w)
+
+
+def _triton_ptr(x, w, b, activation):
+    """The Triton pointer kernel, for comparison with the default TMA kernel."""
+    import ampkernels
+    os.environ["AMPKERNELS_TRITON_TMA"] = "0"
+    try:
+        return ampkernels.linear_act(x, w, b, activation, backend="triton")
+    finally:
+        os.environ.pop("AMPKERNELS_TRITON_TMA", None)
+
+
+def _compiled_here(activation, shape, quick):
+    return activation == "gelu_tanh" and (not quick or shape == COMPILE_SHAPE)
+
+
+def _public(fn, activation):
+    return lambda x, w, b: fn(x, w, b, activation)
+
+
+def _providers(activation, shape, quick, public):
+    """name -> (fn(x, w, b), extra row fields) for one activation and shape, in run order."""
     import ampkernels
 
     def ours(backend, **kw):
         return lambda x, w, b: ampkernels.linear_act(x, w, b, activation, backend=backend, **kw)
 
-    p = {"eager": lambda x, w, b: _eager(x, w, b, activation)}
+    p = {"eager": (functools.partial(_eager, activation=activation), {})}
     if activation in ("relu", "gelu_tanh"):
-        p["addmm_act"] = lambda x, w, b: _addmm(x, w, b, activation)
+        p["addmm_act"] = (functools.partial(_addmm, activation=activation), {})
     avail = ampkernels.available_backends()
     if avail["cuda"][0]:
-        p["ampkernels-cuda"] = ours("cuda")
+        p["ampkernels-cuda"] = (ours("cuda"), {})
     if avail["triton"][0]:
-        p["ampkernels-triton"] = ours("triton")
+        p["ampkernels-triton"] = (ours("triton"), {})
+    if _compiled_here(activation, shape, quick):
+        if "ampkernels-triton" in p:
+            p["ampkernels-triton-ptr"] = (functools.partial(_triton_ptr, activation=activation), {})
+        p["compile"] = (torch.compile(lambda x, w, b: _eager(x, w, b, activation)), {})
+    for prov in public:
+        if OP in prov.ops:
+            p[prov.name] = (_public(prov.ops[OP].fn, activation), prov.fields(OP))
     return p
+
+
+def _memory_providers(provs, activation):
+    """The providers whose bytes held after a training forward are compared."""
+    import ampkernels
+
+    mem = {name: provs[name] for name in ("eager", "ampkernels-cuda", "ampkernels-triton") if name in provs}
+    if "ampkernels-cuda" in provs:
+        mem["ampkernels-cuda-recompute"] = (lambda x, w, b: ampkernels.linear_act(
+            x, w, b, activation, backend="cuda", recompute=True), {})
+    return mem
 
 
 def _timed(fn, quick):
@@ -73,10 +119,9 @@ def _rel_err(out, ref):
     return float(((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item())
 
 
-def _measure(recorder, name, fn, pas, x, w, b, dtype, shape, activation, quick, ref=None):
+def _measure(recorder, name, fn, pas, x, w, b, dtype, shape, activation, quick, ref=None, **extra):
     m, k, n = shape
     flops = (2 if pas == "fwd" else 6) * m * n * k
-    extra = {}
     if pas == "fwd":
         with torch.no_grad():
             if ref is not None:
@@ -109,6 +154,15 @@ def _memory_row(recorder, name, fn, x, w, b, dtype, shape, activation):
     del y
 
 
+def _inputs(dtype, shape, dev):
+    m, k, n = shape
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(m, k, device=dev, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dtype)
+    b = (torch.randn(n, device=dev, generator=g) * 0.5).to(dtype)
+    return types.SimpleNamespace(key=(dtype, shape), x=x, w=w, b=b)
+
+
 def run(recorder, dtypes, quick, device="cuda"):
     """Measure every provider side by side. device="cpu" is only a smoke test of this code
     (tests use it with tiny shapes under TRITON_INTERPRET=1); its numbers mean nothing."""
@@ -117,57 +171,43 @@ def run(recorder, dtypes, quick, device="cuda"):
     if device == "cuda" and not torch.cuda.is_available():
         print("bench_linear_act: no CUDA device; nothing measured (see benchmarks/run.py for the CPU demo)")
         return
-    dev = device
+    dev, public = device, providers.discover(OP)
+    # one case per (dtype, shape, activation, provider, pass), in the order measured: progress counts these
+    cases = []
     for dtype in dtypes:
         for shape in SHAPES:
-            m, k, n = shape
-            g = torch.Generator(device=dev).manual_seed(0)
-            x = torch.randn(m, k, device=dev, generator=g).to(dtype)
-            w = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(dtype)
-            b = (torch.randn(n, device=dev, generator=g) * 0.5).to(dtype)
-            guard(recorder, "matmul fwd", lambda: _measure(recorder, "matmul", lambda x, w, b: F.linear(x, w), "fwd",
-                                                            x, w, b, dtype, shape, "none", quick))
-            guard(recorder, "matmul fwd_bwd", lambda: _measure(recorder, "matmul", lambda x, w, b: F.linear(x, w),
-                                                                "fwd_bwd", x, w, b, dtype, shape, "none", quick))
+            cases += [(dtype, shape, "none", "matmul", pas) for pas in ("fwd", "fwd_bwd")]
             for activation in ACTIVATIONS:
-                ref = reference.linear_act(x, w, b, activation).float()
-                provs = _providers(activation)
-                if activation == "gelu_tanh" and (not quick or shape == COMPILE_SHAPE):
-                    # the pointer kernel, for comparison with the default TMA kernel
-                    def ptr(x, w, b):
-                        import ampkernels
-                        os.environ["AMPKERNELS_TRITON_TMA"] = "0"
-                        try:
-                            return ampkernels.linear_act(x, w, b, activation, backend="triton")
-                        finally:
-                            os.environ.pop("AMPKERNELS_TRITON_TMA", None)
-                    if "ampkernels-triton" in provs:
-                        provs["ampkernels-triton-ptr"] = ptr
-                if activation == "gelu_tanh" and (not quick or shape == COMPILE_SHAPE):
-                    torch._dynamo.reset()
-                    provs["compile"] = torch.compile(lambda x, w, b: _eager(x, w, b, activation))
-                for name, fn in provs.items():
-                    guard(recorder, f"{name} fwd", lambda: _measure(recorder, name, fn, "fwd", x, w, b, dtype, shape,
-                                                                     activation, quick, ref))
-                    if name != "addmm_act":
-                        guard(recorder, f"{name} fwd_bwd", lambda: _measure(recorder, name, fn, "fwd_bwd", x, w, b,
-                                                                             dtype, shape, activation, quick))
+                provs = _providers(activation, shape, quick, public)
+                cases += [(dtype, shape, activation, name, pas) for name in provs
+                          for pas in (("fwd",) if name == "addmm_act" else ("fwd", "fwd_bwd"))]
                 if shape == COMPILE_SHAPE and activation in ("gelu_tanh", "relu") and dev == "cuda":
-                    mem = {"eager": provs["eager"]}
-                    for backend in ("cuda", "triton"):
-                        if f"ampkernels-{backend}" in provs:
-                            mem[f"ampkernels-{backend}"] = provs[f"ampkernels-{backend}"]
-                    if "ampkernels-cuda" in provs:
-                        import ampkernels
-                        mem["ampkernels-cuda-recompute"] = lambda x, w, b: ampkernels.linear_act(
-                            x, w, b, activation, backend="cuda", recompute=True)
-                    for name, fn in mem.items():
-                        guard(recorder, f"{name} memory", lambda: _memory_row(recorder, name, fn, x, w, b, dtype,
-                                                                               shape, activation))
-                del ref
-            del x, w, b
+                    cases += [(dtype, shape, activation, name, "memory")
+                              for name in _memory_providers(provs, activation)]
+    t = group = fns = ref = None
+    for dtype, shape, activation, name, pas in progress(
+            cases, OP, lambda c: f"{str(c[0])[6:]} {'x'.join(map(str, c[1]))} {c[2]} {c[3]} {c[4]}"):
+        if t is None or t.key != (dtype, shape):
+            t = fns = ref = None  # free the last shape's tensors first
             if dev == "cuda":
                 torch.cuda.empty_cache()
+            t = _inputs(dtype, shape, dev)
+        if group != (dtype, shape, activation):
+            group = (dtype, shape, activation)
+            if activation == "none":
+                fns, ref = {"matmul": (_matmul, {})}, None
+            else:
+                if _compiled_here(activation, shape, quick):
+                    torch._dynamo.reset()  # torch.compile fresh per shape
+                provs = _providers(activation, shape, quick, public)
+                fns = {**provs, **_memory_providers(provs, activation)}
+                ref = reference.linear_act(t.x, t.w, t.b, activation).float()
+        fn, fields = fns[name]
+        if pas == "memory":
+            guard(recorder, f"{name} memory", _memory_row, recorder, name, fn, t.x, t.w, t.b, dtype, shape, activation)
+        else:
+            guard(recorder, f"{name} {pas}", _measure, recorder, name, fn, pas, t.x, t.w, t.b, dtype, shape,
+                  activation, quick, ref, **fields)
 
 
 # ---------------------------------------------------------------- report
@@ -189,41 +229,52 @@ def _best_ours(idx, pas, dtype, shape, activation):
     return max(cands) if cands else (None, None)
 
 
+def _verdict(ok):
+    return "PASS" if ok else "FALLS SHORT"
+
+
 def report(rows):
-    """One line per target: measured ratio, threshold, PASS or FALLS SHORT; then the fastest
-    backend per (dtype, activation, shape) for ampkernels/ops/linear_act.py's "auto" table."""
+    """One line per target: measured ratio, threshold, PASS or FALLS SHORT; our best against
+    the best public kernel where one was measured; then the fastest backend per (dtype,
+    activation, shape) for ampkernels/ops/linear_act.py's "auto" table."""
     idx = _index(rows)
+    public = {r["provider"] for r in rows if r.get("op") == OP and r.get("provider_version")}
     lines = []
     keys = sorted({(k[2], k[3], k[4]) for k in idx if k[4] in FWD_TARGET},
                   key=lambda t: (t[0], [int(v) for v in t[1].split("x")], t[2]))
-    verdict = lambda ok: "PASS" if ok else "FALLS SHORT"  # noqa: E731
     for dtype, shape, act in keys:
         best, who = _best_ours(idx, "fwd", dtype, shape, act)
         mm = idx.get(("matmul", "fwd", dtype, shape, "none"))
         if best and mm:
             r = best / mm
             lines.append(f"linear_act fwd {act:9s} {dtype:8s} {shape:15s} {r:5.3f} of matmul (>= {FWD_TARGET[act]}) "
-                         f"[{who}] {verdict(r >= FWD_TARGET[act])}")
+                         f"[{who}] {_verdict(r >= FWD_TARGET[act])}")
         addmm = idx.get(("addmm_act", "fwd", dtype, shape, act if act in ("relu", "gelu_tanh") else "gelu_tanh"))
         if best and addmm:
             r = best / addmm
             lines.append(f"linear_act fwd {act:9s} {dtype:8s} {shape:15s} {r:5.3f} of _addmm_activation (>= 1.0) "
-                         f"{verdict(r >= 1.0)}")
+                         f"{_verdict(r >= 1.0)}")
         best_t, who_t = _best_ours(idx, "fwd_bwd", dtype, shape, act)
         mm_t = idx.get(("matmul", "fwd_bwd", dtype, shape, "none"))
         if best_t and mm_t:
             r = best_t / mm_t
             lines.append(f"linear_act fwd+bwd {act:9s} {dtype:8s} {shape:15s} {r:5.3f} of matmul (>= 0.95) "
-                         f"[{who_t}] {verdict(r >= 0.95)}")
+                         f"[{who_t}] {_verdict(r >= 0.95)}")
         eager_t = idx.get(("eager", "fwd_bwd", dtype, shape, act))
         if best_t and eager_t and shape == "x".join(map(str, COMPILE_SHAPE)) and act in ("gelu", "gelu_tanh"):
             r = best_t / eager_t
             lines.append(f"linear_act fwd+bwd {act:9s} {dtype:8s} {shape:15s} {r:5.3f}x eager (>= 1.15) "
-                         f"{verdict(r >= 1.15)}")
+                         f"{_verdict(r >= 1.15)}")
         eager_f = idx.get(("eager", "fwd", dtype, shape, act))
         if best and eager_f:
             lines.append(f"linear_act fwd {act:9s} {dtype:8s} {shape:15s} {best / eager_f:5.3f}x eager (>= 1.0) "
-                         f"{verdict(best >= eager_f)}")
+                         f"{_verdict(best >= eager_f)}")
+        for pas, label, ours in (("fwd", "fwd", best), ("fwd_bwd", "fwd+bwd", best_t)):
+            pub = {p: idx[(p, pas, dtype, shape, act)] for p in public if (p, pas, dtype, shape, act) in idx}
+            if ours and pub:
+                pp = max(pub, key=pub.get)
+                lines.append(f"linear_act {label} {act:9s} {dtype:8s} {shape:15s} {ours / pub[pp]:5.3f}x best public "
+                             f"[{pp}] (>= 1.0) {_verdict(ours >= pub[pp])}")
     for r in rows:
         if r.get("op") == OP and r.get("metric") == "hidden tensors held after forward":
             lines.append(f"linear_act memory {r['provider']:26s} {r['activation']:9s} {r['dtype']:8s} "

@@ -4,6 +4,8 @@
     python -m benchmarks.run --op all            # the same, from a source checkout
 
 Each op's module (bench_<module>.py) has run(recorder, dtypes, quick) and report(rows).
+Public kernels (Liger-Kernel, QuACK, Apex, flash-attn's Triton norms) are measured beside
+ours when they import here (providers.py); none is required.
 Without a GPU, a clearly labelled CPU demo runs the ops' reference path instead: it
 checks results against the float64 reference and times them, which says nothing about
 GPU speed.
@@ -16,6 +18,7 @@ import time
 
 import torch
 
+from . import providers
 from .common import Recorder, bench, environment
 
 MODULES = {"layer_norm": "bench_layer_norm", "rms_norm": "bench_layer_norm", "linear_act": "bench_linear_act",
@@ -71,6 +74,7 @@ def main(argv=None):
     env = environment()
     print(f"ampkernels bench on {env['gpu']} (cc {env['cc']}), torch {env['torch']}, triton {env['triton']}, "
           f"commit {env['commit']}; rows -> {recorder.path}", flush=True)
+    print(providers.describe(providers.discover()), flush=True)
     if not torch.cuda.is_available():
         return 0 if cpu_demo(recorder) else 1
 
