@@ -11,6 +11,8 @@
 # ops (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows where the copy has no .git.
 # GPU_JIT_CHECK=1 also checks the first-use build of a package installed without _C.
+# .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
+# providers (liger-kernel) measured beside ours.
 # TESTS_TIMEOUT / BENCH_TIMEOUT (seconds) cap those steps so that one call fits its limit;
 # what ran before the cap stays in the logs and results.jsonl.
 set -uo pipefail
@@ -46,6 +48,13 @@ if [ "${GPU_JIT_CHECK:-0}" = 1 ]; then
     "import ampkernels, torch; ok, why = ampkernels.available_backends()['cuda']; print(ampkernels.__file__, ok, why); assert ok and '(jit)' in why"
 fi
 step build build.log $PY -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${status[@]}"; exit 1; }
+if [ -d .wheels ]; then
+  # optional public benchmark providers carried as wheels (scripts/fetch_wheels.sh); logged into
+  # build.log since at most 8 files come back; a failed install only loses those providers' rows
+  echo "== wheels"
+  $PY -m pip install --no-deps --no-index .wheels/*.whl >>"$OUT/build.log" 2>&1
+  rc=$?; status+=("wheels: rc=$rc (build.log)"); tail -n 2 "$OUT/build.log"
+fi
 step doctor doctor.json $PY -m ampkernels doctor --json
 
 if [ "${GPU_TESTS:-tests}" != none ]; then
