@@ -204,7 +204,8 @@ def run(recorder, dtypes=(torch.float16, torch.bfloat16), quick=False, device="c
 
     live = [name for name, (ok, _) in ampkernels.available_backends().items()
             if ok and name in ("cuda", "triton") and device == "cuda"]
-    specs = {op: _specs(op, live, providers.discover(), device) for op in OPS}
+    public = providers.discover()
+    specs = {op: _specs(op, live, public, device) for op in OPS}
     # one case per (dtype, N, op, provider, pass), in the order measured: progress counts these
     cases = [(dtype, n, op, provider, pas) for dtype in dtypes for n in (QUICK_NS if quick else NS)
              for op, provs in [("copy", {"copy": Spec(None, False, False, ("fwd",), {})})] + list(specs.items())

@@ -9,7 +9,7 @@ adapter only puts the library's public API behind one calling convention per op:
   linear_act             fn(x, weight, bias, activation) -> act(x @ weight.T + bias)
 
 Versions checked against the sources: liger-kernel 0.8.5 (torch>=2.1.2, triton>=2.3.1),
-quack-kernels 0.6.5, apex (fused_layer_norm_cuda, fused_dense_cuda), flash-attn 2.8.
+quack-kernels 0.6.5, apex (fused_layer_norm_cuda, fused_dense_cuda), flash-attn 2.x.
 """
 import dataclasses
 import functools
