@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ampkernels import _extension, reference
+from ampkernels import reference
 from ampkernels.ops.mlp import FusedMLPFunction, fused_mlp
 from tests.utils import assert_rel_close
 
@@ -20,16 +20,9 @@ def _eager64(x, w1, b1, w2, b2, activation):
     return out, args
 
 
-def _check(backend, activation, dtype, device, bias=True, m=37, factor=4, khn=(48, 136, 40), lead=None):
-    """Forward and every gradient against float64 eager; lead: run x as (lead, m // lead, k)
-    through the functional API (3-D input) instead of the 2-D autograd Function."""
-    k, h, n = khn
-    x, w1, b1, w2, b2 = _inputs(m, k, h, n, dtype, device, bias)
-    if lead:
-        x = x.detach().reshape(lead, m // lead, k).requires_grad_()
-        out = fused_mlp(x, w1, b1, w2, b2, activation, backend=backend)
-    else:
-        out = FusedMLPFunction.apply(x, w1, b1, w2, b2, activation, backend)
+def _check(backend, activation, dtype, device, bias=True, m=37, factor=4):
+    x, w1, b1, w2, b2 = _inputs(m, 48, 136, 40, dtype, device, bias)
+    out = FusedMLPFunction.apply(x, w1, b1, w2, b2, activation, backend)
     ref, args = _eager64(x, w1, b1, w2, b2, activation)
     assert_rel_close(out, ref, dtype, factor=factor, what="out")
     dy = torch.randn_like(out)
@@ -73,22 +66,6 @@ def test_functional_validates_shapes_and_falls_back():
     assert out.dtype == torch.float64 and out.shape == (4, 8)
 
 
-needs_ext = pytest.mark.skipif(not _extension.load(), reason=f"extension not built: {_extension.status()[1]}")
-
-
-@needs_ext
-@pytest.mark.parametrize("name", ["linear_dact_cuda", "linear_dact_lt_plans_cuda"])
-def test_extension_schemas(name):
-    assert getattr(torch.ops.ampkernels, name).default._schema.name == f"ampkernels::{name}"
-
-
-@needs_ext
-def test_linear_dact_cpu_tensor_is_a_clear_error():
-    dy, w, pre = torch.randn(4, 8).half(), torch.randn(8, 16).half(), torch.randn(4, 16).half()
-    with pytest.raises(RuntimeError, match="linear_dact_cuda: dy must be a CUDA tensor, got a tensor on cpu"):
-        torch.ops.ampkernels.linear_dact_cuda(dy, w, pre, reference.activation_id("gelu_tanh"), True, True)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -106,78 +83,3 @@ def test_autocast_fp32_params_gpu():
     assert out.dtype == torch.bfloat16 and out.shape == (4, 64, 64)
     out.float().sum().backward()
     assert w1.grad.dtype == torch.float32 and torch.isfinite(w1.grad).all()
-
-
-# ---------------------------------------------------------------- cuda gelu_tanh: DGELU_BGRAD backward
-# Each case's shape (M in particular, the GEMM's n) is used by no other test, so its first
-# call builds a fresh cuBLASLt plan, and linear_dact_lt_plans_cuda shows whether the fused
-# DGELU(_BGRAD) GEMM ran: +1 when fused, +0 on the explicit fallback.
-
-_DGELU_CASES = {  # name: (m, (k, h, n), lead, fused)
-    "aligned": (304, (256, 512, 128), None, True),
-    "3d_input": (4 * 77, (64, 256, 96), 4, True),
-    "hidden_not_multiple_of_8": (72, (64, 130, 64), None, False),  # aux_ld = hidden must be a multiple of 8
-    "out_not_multiple_of_8": (88, (64, 128, 36), None, False),     # dout's leading dim N
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", list(_DGELU_CASES))
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_gelu_tanh_backward_fused_gpu(case, bias, dtype):
-    m, khn, lead, fused = _DGELU_CASES[case]
-    before = torch.ops.ampkernels.linear_dact_lt_plans_cuda()
-    _check("cuda", "gelu_tanh", dtype, "cuda", bias=bias, m=m, factor=4, khn=khn, lead=lead)
-    assert torch.ops.ampkernels.linear_dact_lt_plans_cuda() - before == int(fused), \
-        "fused DGELU GEMM expected" if fused else "fallback expected"
-
-
-def _dact64(dy, w, pre, activation):
-    dz = (dy.double() @ w.double()) * reference.act_grad(pre.double(), activation)
-    return dz, dz.sum(0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
-def test_linear_dact_op_gpu(dtype, activation):
-    m, n, h = 200, 96, 384
-    dy = torch.randn(m, n, device="cuda").to(dtype)
-    w = (torch.randn(n, h, device="cuda") * n**-0.5).to(dtype)
-    pre = torch.randn(m, h, device="cuda").to(dtype)
-    ref_dz, ref_db = _dact64(dy, w, pre, activation)
-    aid = reference.activation_id(activation)
-    before = torch.ops.ampkernels.linear_dact_lt_plans_cuda()
-    for fuse in (True, False):
-        dz, db = torch.ops.ampkernels.linear_dact_cuda(dy, w, pre, aid, True, fuse)
-        assert dz.dtype == db.dtype == dtype
-        assert_rel_close(dz, ref_dz, dtype, factor=4, what=f"dz fuse={fuse}")
-        assert_rel_close(db, ref_db, dtype, factor=4, what=f"db fuse={fuse}")
-        dz, db = torch.ops.ampkernels.linear_dact_cuda(dy, w, pre, aid, False, fuse)
-        assert db.numel() == 0
-        assert_rel_close(dz, ref_dz, dtype, factor=4, what=f"dz without db, fuse={fuse}")
-    # only gelu_tanh has a cuBLASLt epilogue: one DGELU_BGRAD and one DGELU plan
-    assert torch.ops.ampkernels.linear_dact_lt_plans_cuda() - before == (2 if activation == "gelu_tanh" else 0)
-
-
-@pytest.mark.gpu
-def test_linear_dact_misaligned_and_empty_gpu():
-    m, n, h, dtype = 40, 64, 128, torch.bfloat16
-    aid = reference.activation_id("gelu_tanh")
-    dy = torch.randn(m, n, device="cuda").to(dtype)
-    w = (torch.randn(n, h, device="cuda") * n**-0.5).to(dtype)
-    pre = torch.randn(m * h + 1, device="cuda").to(dtype)[1:].view(m, h)  # contiguous, 2 bytes off 16
-    before = torch.ops.ampkernels.linear_dact_lt_plans_cuda()
-    dz, db = torch.ops.ampkernels.linear_dact_cuda(dy, w, pre, aid, True, True)
-    assert torch.ops.ampkernels.linear_dact_lt_plans_cuda() == before  # misaligned aux: explicit fallback
-    ref_dz, ref_db = _dact64(dy, w, pre, "gelu_tanh")
-    assert_rel_close(dz, ref_dz, dtype, factor=4, what="dz")
-    assert_rel_close(db, ref_db, dtype, factor=4, what="db")
-    # no rows: empty dz, zero bias gradient; N = 0: dy @ w is zero
-    dz, db = torch.ops.ampkernels.linear_dact_cuda(dy[:0], w, pre[:0], aid, True, True)
-    assert dz.shape == (0, h) and torch.equal(db, torch.zeros_like(db)) and db.shape == (h,)
-    dz, db = torch.ops.ampkernels.linear_dact_cuda(dy[:, :0].contiguous(), w[:0], pre, aid, True, True)
-    assert torch.equal(dz, torch.zeros_like(dz)) and torch.equal(db, torch.zeros_like(db))
-    with pytest.raises(RuntimeError, match="linear_dact_cuda: pre must have shape"):
-        torch.ops.ampkernels.linear_dact_cuda(dy, w, pre[:, :-8].contiguous(), aid, True, True)
