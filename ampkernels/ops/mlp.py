@@ -9,10 +9,7 @@ Eager calls run the implementations directly; torch.compile and opcheck see the 
 (linear_act's _eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
 storing the pre-activation, then a GEMM + bias. Backward: h recomputed by the bias_act
 kernel, then linear_act's backward for each layer (act' applied to dh on the fly, bias
-gradients accumulated in fp32). On the cuda backend with gelu_tanh, the first layer's
-gradient dz1 = gelu'(pre) * (dout @ w2) and db1 come out of ONE cuBLASLt GEMM (DGELU_BGRAD
-epilogue, linear_dact_cuda), so dx and dw1 are plain GEMMs: no activation pass, no separate
-bias-gradient pass. Pieces in data order: custom ops
+gradients accumulated in fp32). Pieces in data order: custom ops
 (forward, backward) with fakes -> autograd Function -> functional API.
 """
 from typing import Optional
@@ -36,8 +33,6 @@ def _fwd_impl(x, w1, b1, w2, b2, activation, backend):
 
 
 def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
-    if backend == "cuda" and activation == "gelu_tanh":  # cuBLASLt's GELU is the tanh form
-        return _bwd_cuda_dgelu(dout, x, w1, w2, pre, b1_dtype, b2_dtype)
     # recompute the post-activation: the one elementwise pass that saves a hidden-sized tensor
     if backend == "cuda":
         h, _ = torch.ops.ampkernels.bias_act_fwd_cuda(pre, None, reference.activation_id(activation), False)
@@ -48,20 +43,6 @@ def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
     dh, dw2, db2 = _la_bwd(dout, h, w2, None, "identity", True, True, b2_dtype is not None, backend)
     del h
     dx, dw1, db1 = _la_bwd(dh, x, w1, pre, activation, True, True, b1_dtype is not None, backend)
-    return dx, dw1, db1, dw2, db2
-
-
-def _bwd_cuda_dgelu(dout, x, w1, w2, pre, b1_dtype, b2_dtype):
-    act = reference.activation_id("gelu_tanh")
-    # second layer's weight gradient (db2 fused into it, BGRADB); h is needed only here, and is
-    # freed before dz1 exists, so backward holds one hidden-sized temporary at a time
-    h, _ = torch.ops.ampkernels.bias_act_fwd_cuda(pre, None, act, False)
-    _, dw2, db2 = _la_bwd(dout, h, w2, None, "identity", False, True, b2_dtype is not None, "cuda")
-    del h
-    # dz1 = gelu'(pre) * (dout @ w2) and db1 in one GEMM (explicit fallback inside the op when
-    # cuBLASLt cannot take it), then dx = dz1 @ w1 and dw1 = dz1^T @ x as plain GEMMs
-    dz1, db1 = torch.ops.ampkernels.linear_dact_cuda(dout, w2, pre, act, b1_dtype is not None, True)
-    dx, dw1, _ = _la_bwd(dz1, x, w1, None, "identity", True, True, False, "cuda")
     return dx, dw1, db1, dw2, db2
 
 
