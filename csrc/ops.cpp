@@ -335,10 +335,7 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
 // Epilogues fuse bias, ReLU and GELU(tanh) (+ its pre-activation as aux). cuBLASLt's
 // DGELU/DRELU_BGRAD epilogues multiply a GEMM's *output* by act'(aux); in one layer's
 // backward act' multiplies the GEMM's *input* dz, so they do not apply here: dz = dy * act'(pre)
-// is one vectorised elementwise pass (act_backward in linear_act.cu). Where the gradient
-// flowing into the activation is itself a GEMM's output (the next layer's input gradient, as
-// in an MLP block), linear_dact_cuda below fuses act' and the bias gradient into that GEMM
-// (DGELU_BGRAD). Other activations (erf
+// is one vectorised elementwise pass (act_backward in linear_act.cu). Other activations (erf
 // GELU, SiLU, squared ReLU) run the GEMM with the bias epilogue, then the bias_act kernel.
 // Inputs cuBLASLt cannot take with a fused epilogue (pointers not 16-byte aligned, N or K not
 // multiples of 8, K = 0) run the explicit fallback: at::mm (cuBLAS, any alignment) + the
@@ -508,75 +505,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& 
   return {dx, dw, db};
 }
 
-// (dz, dbias): the input gradient of act(pre) when act(pre) (M, H) fed a linear layer with
-// weight (N, H) whose output gradient is dy (M, N):
-//   dz = act'(pre) * (dy @ weight),  dbias = sum over rows of dz (the bias gradient of pre).
-// gelu_tanh runs as ONE cuBLASLt GEMM with the DGELU_BGRAD epilogue (DGELU without dbias),
-// column-major: dz^T (H x M) = W^T (H x N) . dy^T (N x M): A = weight (H x N, ld H), B = dy
-// (N x M, ld N), D = dz (ld H); aux = pre, stored by the forward's GELU_AUX epilogue in the
-// same layout (H x M, ld H, a multiple of 8); dbias has D's H rows, summed over M, in
-// dy's dtype (the only bias-gradient type cuBLASLt documents for fp16/bf16; the fallback sums
-// in fp32 and rounds once to the same dtype).
-// Everything else (other activations, pointers not 16-byte aligned, N or H not multiples of 8,
-// no cuBLASLt plan, fuse=false) runs the explicit fallback: dy @ weight (cuBLAS), then dz and
-// the fp32 partial column sums in one pass of the bias_act backward kernel.
-std::tuple<at::Tensor, at::Tensor> linear_dact(const at::Tensor& dy, const at::Tensor& weight, const at::Tensor& pre,
-                                               int64_t activation, bool need_db, bool fuse) {
-  constexpr const char* op = "linear_dact_cuda";
-  check_cuda(dy, op, "dy");
-  check_same_device(weight, dy, op, "weight", "dy");
-  check_same_device(pre, dy, op, "pre", "dy");
-  check_contiguous(dy, op, "dy");
-  check_contiguous(weight, op, "weight");
-  check_contiguous(pre, op, "pre");
-  TORCH_CHECK(dy.dim() == 2 && weight.dim() == 2 && dy.size(1) == weight.size(0), op,
-              ": dy must be (M, N) and weight (N, H), got ", dy.sizes(), " and ", weight.sizes());
-  const int64_t M = dy.size(0), N = dy.size(1), H = weight.size(1);
-  TORCH_CHECK(pre.dim() == 2 && pre.size(0) == M && pre.size(1) == H, op, ": pre must have shape (", M, ", ", H,
-              "), got ", pre.sizes());
-  TORCH_CHECK(dy.scalar_type() == at::kHalf || dy.scalar_type() == at::kBFloat16, op,
-              ": dy must be float16 or bfloat16, got ", dy.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == dy.scalar_type(), op, ": weight dtype ", weight.scalar_type(),
-              " differs from dy dtype ", dy.scalar_type());
-  TORCH_CHECK(pre.scalar_type() == dy.scalar_type(), op, ": pre dtype ", pre.scalar_type(), " differs from dy dtype ",
-              dy.scalar_type());
-  const Activation act = to_activation(activation, op);
-  const DType dtype = to_dtype(dy.scalar_type(), op, "dy");
-  const c10::cuda::CUDAGuard guard(dy.device());
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor dz = at::empty({M, H}, dy.options());
-  at::Tensor db = at::empty({need_db ? H : 0}, dy.options());
-  if (M == 0 || H == 0) {  // sums over no rows
-    if (need_db) db.zero_();
-    return {dz, db};
-  }
-  // dz and db come from the caching allocator (16-byte aligned); the inputs are checked
-  const bool lt = fuse && act == Activation::kGELUTanh && lt_fusable(dy, weight, H, N) && lt_aligned(pre);
-  if (lt) {
-    const LtGemm g{H, M, N, false, false, weight.data_ptr(), H, dy.data_ptr(), N, dz.data_ptr(), H, dtype,
-                   need_db ? LtEpilogue::kDGELUBGrad : LtEpilogue::kDGELU, need_db ? db.data_ptr() : nullptr,
-                   pre.data_ptr(), H};
-    if (try_lt(g, dy)) return {dz, db};
-  }
-  const at::Tensor dh = dy.mm(weight);  // N = 0 gives zeros, as the math says
-  if (!need_db) {
-    AMPK_CHECK_CUDA(act_backward(dh.data_ptr(), pre.data_ptr(), dz.data_ptr(), M * H, dtype, act, num_sms(), stream));
-    return {dz, db};
-  }
-  const int chunks = bias_act_backward_chunks(M, H, num_sms());
-  at::Tensor partial = at::empty({chunks, H}, dy.options().dtype(at::kFloat));
-  AMPK_CHECK_CUDA(bias_act_backward(dh.data_ptr(), pre.data_ptr(), dz.data_ptr(), partial.data_ptr<float>(), M, H,
-                                    chunks, dtype, act, stream));
-  AMPK_CHECK_CUDA(reduce_partials(partial.data_ptr<float>(), db.data_ptr(), chunks, H, dtype, stream));
-  return {dz, db};
-}
-
 int64_t linear_act_lt_plans() { return int64_t(lt_cached_plans()); }
-
-// DGELU_BGRAD / DGELU plans cuBLASLt has an algorithm for: grows when linear_dact_cuda fuses a new shape.
-int64_t linear_dact_lt_plans() {
-  return int64_t(lt_usable_plans(LtEpilogue::kDGELUBGrad) + lt_usable_plans(LtEpilogue::kDGELU));
-}
 
 TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
   m.def("linear_act_fwd_cuda(Tensor x, Tensor weight, Tensor? bias, int activation, bool store_pre, bool fuse)"
@@ -584,14 +513,10 @@ TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
   m.def("linear_act_bwd_cuda(Tensor dy, Tensor x, Tensor weight, Tensor saved, int activation, bool need_dx,"
         " bool need_dw, bool need_db, bool fuse) -> (Tensor dx, Tensor dweight, Tensor dbias)");
   m.def("linear_act_lt_plans_cuda() -> int", &linear_act_lt_plans);
-  m.def("linear_dact_cuda(Tensor dy, Tensor weight, Tensor pre, int activation, bool need_db, bool fuse)"
-        " -> (Tensor dz, Tensor dbias)");
-  m.def("linear_dact_lt_plans_cuda() -> int", &linear_dact_lt_plans);
 }
 TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
   m.impl("linear_act_fwd_cuda", &linear_act_fwd);
   m.impl("linear_act_bwd_cuda", &linear_act_bwd);
-  m.impl("linear_dact_cuda", &linear_dact);
 }
 
 }  // namespace
