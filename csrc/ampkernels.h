@@ -39,16 +39,11 @@ cudaError_t probe_kernel_image();
 
 // ---- linear_act
 // cuBLASLt epilogues linear_act uses (csrc/linear_act.cu maps them to cublasLtEpilogue_t).
-// kDGELU / kDGELUBGrad: D = (op(A) op(B)) * gelu_tanh'(aux), with aux read (the backward of
-// GELU_AUX*); kDGELUBGrad also writes the row sums of that D (length m) to `bias`.
-enum class LtEpilogue : int {
-  kDefault, kBias, kReLU, kReLUBias, kGELU, kGELUBias, kGELUAux, kGELUAuxBias, kBGradB, kDGELU, kDGELUBGrad
-};
+enum class LtEpilogue : int { kDefault, kBias, kReLU, kReLUBias, kGELU, kGELUBias, kGELUAux, kGELUAuxBias, kBGradB };
 
 // One column-major GEMM D(m x n) = op(A)(m x k) * op(B)(k x n), fp16/bf16 in and out, fp32
-// accumulation, with an epilogue. bias: the bias (length m) or a bias gradient output, in D's
-// dtype (kBGradB: length n; kDGELUBGrad: length m); aux: GELU's pre-activation, written by
-// kGELUAux*, read by kDGELU* (column-major m x n, aux_ld >= m, multiple of 8).
+// accumulation, with an epilogue. bias: the bias (length m) or, for kBGradB, the bias
+// gradient output (length n); aux: GELU's pre-activation output (aux_ld >= m, multiple of 8).
 struct LtGemm {
   int64_t m, n, k;
   bool trans_a, trans_b;
@@ -74,8 +69,6 @@ const char* lt_matmul(const LtGemm& gemm, void* handle, void* workspace, size_t 
 
 // Number of cached (descriptor, algorithm) plans, for tests.
 size_t lt_cached_plans();
-// Cached plans with this epilogue that cuBLASLt has an algorithm for (tests: the fused path ran).
-size_t lt_usable_plans(LtEpilogue epilogue);
 
 // dz = dy * act'(saved) over numel elements (no bias gradient: BGRADB computes it in the
 // weight-gradient GEMM). 16-byte vectors when pointers and numel allow.
