@@ -1,13 +1,14 @@
 """The kernels of both op families, forward and backward, on odd and boundary shapes, for
 compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short.
 
-    python scripts/sanitize_cases.py [cuda] [triton] [torch]
+    [SANITIZER_DTYPES="bfloat16 float16"] python scripts/sanitize_cases.py [cuda] [triton] [torch]
 
 Every output is also checked against the reference (a wrong result exits non-zero), so an
 uninitialised-read report on an output that matches the reference points at the tool.
 "torch" runs the same cases through eager PyTorch: a control for reports that stem from
 cuBLAS's own kernels or the tool rather than from ours.
 """
+import os
 import sys
 
 import torch
@@ -28,7 +29,7 @@ def check(name, got, want, tol):
 
 
 for backend in backends:
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype in (getattr(torch, d) for d in os.environ.get("SANITIZER_DTYPES", "float16 bfloat16").split()):
         tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
         for n in (1, 7, 8191, 65536):
             for rows in (1, 3):
