@@ -11,6 +11,13 @@ if not HAS_CUDA:
     # Before any Triton kernel is defined: run them on CPU tensors (see MACHINES.md).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.pop("AMPKERNELS_BACKEND", None)  # tests choose backends explicitly
+if HAS_CUDA:
+    # Tests call autograd Functions and ops with backend="cuda" directly, below the public API,
+    # whose backend selection is what loads the extension; load it up front so that no test
+    # depends on an earlier one having gone through the public API.
+    from ampkernels import _extension
+
+    _extension.load()
 
 
 def pytest_collection_modifyitems(config, items):
