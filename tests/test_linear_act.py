@@ -185,7 +185,10 @@ def _saved_hidden(backend, activation, recompute, device="cpu", dtype=torch.floa
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = ampkernels.linear_act(x, w, b, activation, backend=backend, recompute=recompute)
+        if backend == "torch":  # the Function itself (linear_act's torch path trains eager)
+            y = la.LinearActFunction.apply(x, w, b, activation, backend, recompute)
+        else:
+            y = ampkernels.linear_act(x, w, b, activation, backend=backend, recompute=recompute)
     y.sum().backward()
     return [t for t in kept if tuple(t.shape) == (m, n)], y
 
@@ -206,10 +209,21 @@ def test_recompute_gives_the_same_grads(activation):
     grads = []
     for recompute in (False, True):
         xs, ws, bs = (t.detach().requires_grad_() for t in (x, w, b))
-        ampkernels.linear_act(xs, ws, bs, activation, backend="torch", recompute=recompute).sum().backward()
+        la.LinearActFunction.apply(xs, ws, bs, activation, "torch", recompute).sum().backward()
         grads.append((xs.grad, ws.grad, bs.grad))
     for g0, g1 in zip(*grads):
         assert torch.equal(g0, g1)
+
+
+def test_torch_path_trains_with_torch_autograd():
+    # "torch" (auto's unfused choice, fp32, CPU) is eager F.linear + activation, node for node
+    x, w, b = _inputs(6, 16, 8, torch.float32, "cpu")
+    w.requires_grad_()
+    y = ampkernels.linear_act(x, w, b, "gelu_tanh", backend="torch")
+    ref = F.gelu(F.linear(x, w, b), approximate="tanh")
+    assert type(y.grad_fn) is type(ref.grad_fn) and torch.equal(y, ref)
+    (gw,) = torch.autograd.grad(y.sum(), w)
+    assert torch.equal(gw, torch.autograd.grad(ref.sum(), w)[0])
 
 
 def test_no_grad_builds_no_graph():

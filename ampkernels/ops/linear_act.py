@@ -283,7 +283,11 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     name = _choose(backend, device, x.dtype, activation, _shape_bucket(m, n, k), training, unsupported)
     x2, weight = x2.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    if training:
+    if training and name == "torch" and not recompute:
+        # the unfused baseline as eager runs it, with torch's own autograd nodes (a C++ GELU
+        # backward, not a Python one): "auto" picks it only where it is the fastest
+        y = reference.act_fwd(F.linear(x2, weight, bias), activation)
+    elif training:
         y = LinearActFunction.apply(x2, weight, bias, activation, name, recompute)
     else:  # inference: nothing saved, no autograd node
         y, _ = _fwd(x2, weight, bias, activation, False, name)
