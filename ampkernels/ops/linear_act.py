@@ -10,10 +10,12 @@ Backends:
 - "triton": ampkernels/triton/linear_act.py, a persistent matmul with bias + activation in
   the epilogue for every activation; backward: one fused dz = dy*act'(pre) + dbias pass, then
   the two GEMMs on cuBLAS.
-- "torch": eager F.linear + activation in the compute dtype (the unfused baseline); for
-  fp32/fp64 inputs (autocast off) and CPU tensors.
+- "torch": eager F.linear + activation in the compute dtype (the unfused baseline, trained
+  with torch's own autograd, so it saves what eager saves); for fp32/fp64 inputs (autocast
+  off), CPU tensors, and where "auto" measured it fastest. recompute=True runs it through the
+  Function below.
 
-Saved for backward: x, weight and one hidden-sized tensor in the compute dtype: the
+Saved for backward by the kernels: x, weight and one hidden-sized tensor in the compute dtype: the
 pre-activation, or for ReLU its output (y > 0 exactly where pre > 0), or nothing for identity;
 never both pre- and post-activation. recompute=True saves no hidden-sized tensor and recomputes
 the pre-activation (one GEMM) in backward. dbias is accumulated in fp32.
