@@ -164,6 +164,9 @@ class NormFunction(torch.autograd.Function):
                 db.to(ctx.bias_dtype) if want_db else None, grad_res, None, None, None, None, None, None)
 
 
+_HOST_BOUND_ELEMENTS = 1 << 25
+
+
 def _preference(x, n, pas="fwd"):
     """Backends "auto" tries for one pass ("fwd" or "bwd"), fastest first.
 
@@ -172,7 +175,15 @@ def _preference(x, n, pas="fwd"):
     H200 (fp16, M*N = 2^27, N = 768..16384, LayerNorm and RMSNorm side by side): the Triton
     forward was faster at every N (3.5-4.0 TB/s against 2.1-3.4); the Triton backward at N <=
     2048 (2.4-2.9 against 2.0-2.8), the CUDA backward at N >= 8192 (1.8-2.6 against 1.0-2.1).
+
+    Below 2^25 elements the CUDA kernels come first whatever the pass: there a kernel takes less
+    GPU time (under ~100 us) than Triton's Python launcher costs the host, and a training step
+    made of such calls is host-bound (H200 host profile of the MLP block at 2^24 elements,
+    benchmarks/results/h200-2026-11-30-005ac1a-host-profile.txt: ~375 us of host time per
+    Triton norm backward call against ~60 us for a call into the extension).
     """
+    if x.numel() < _HOST_BOUND_ELEMENTS:
+        return ("cuda", "triton")
     if pas == "fwd" or n <= 4096:
         return ("triton", "cuda")
     return ("cuda", "triton")
