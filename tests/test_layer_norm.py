@@ -300,7 +300,7 @@ def test_unsupported_inputs_fall_back_to_the_reference(monkeypatch):
     layer_norm(xb, 16, w.half(), None)
     rms_norm(x.float(), 16)
     assert seen[0][0] == "layer_norm" and "neither" in seen[0][2]
-    assert seen[2:] == [("rms_norm", ("cuda", "triton"), None)] * 2  # forward, then backward choice
+    assert seen[1:] == [("rms_norm", ("cuda", "triton"), None)]  # one choice: both passes prefer the same
 
 
 def test_auto_preference_per_pass():

@@ -230,12 +230,16 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
         for name, p in (("weight", weight), ("bias", bias)):
             if p is not None and p.dtype not in (x.dtype, torch.float32):
                 unsupported = f"{name} dtype {p.dtype} is neither x's ({x.dtype}) nor float32"
-    name = backends.select(op, backend, x.device, _preference(x, n, "fwd"), unsupported)
-    bwd_name = backends.select(op, backend, x.device, _preference(x, n, "bwd"), unsupported)
+    fwd_pref, bwd_pref = _preference(x, n, "fwd"), _preference(x, n, "bwd")
+    name = backends.select(op, backend, x.device, fwd_pref, unsupported)
+    bwd_name = name if bwd_pref == fwd_pref else backends.select(op, backend, x.device, bwd_pref, unsupported)
 
-    x2 = x.reshape(-1, n).contiguous()  # strided views are copied, never read wrongly
-    flat = lambda t: None if t is None else t.reshape(-1).contiguous()  # noqa: E731
-    res2 = None if residual is None else residual.reshape(-1, n).contiguous()
+    # 2-D contiguous views of everything (strided views are copied, never read wrongly); the
+    # common cases skip the calls: this runs once per norm per step, on the host's critical path
+    as_rows = lambda t: t if t.dim() == 2 and t.is_contiguous() else t.reshape(-1, n).contiguous()  # noqa: E731
+    flat = lambda t: t if t is None or (t.dim() == 1 and t.is_contiguous()) else t.reshape(-1).contiguous()  # noqa: E731
+    x2 = as_rows(x)
+    res2 = None if residual is None else as_rows(residual)
     w2, b2 = flat(weight), flat(bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w2, b2, res2)):
         result = NormFunction.apply(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32), name,
@@ -247,7 +251,7 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
                                        name)
         result = out if res2 is None else (out, res_out)
     if residual is None:
-        return result.reshape(x.shape)
+        return result if x.dim() == 2 else result.reshape(x.shape)
     out, res_out = result
     return out.reshape(x.shape), res_out.reshape(x.shape)
 
