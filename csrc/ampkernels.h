@@ -58,6 +58,9 @@ struct LtGemm {
   void* bias;
   void* aux;
   int64_t aux_ld;
+  // torch.use_deterministic_algorithms(True): the heuristic's first algorithm, never the fastest
+  // by timing (timings differ between processes, and with them the algorithm and the bits)
+  bool deterministic = false;
 };
 
 // Runs the GEMM on `stream` with a cached descriptor + algorithm. handle is a cublasLtHandle_t.

@@ -63,7 +63,7 @@ struct Plan {
 };
 
 using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, int, int, bool, int64_t,
-                       size_t>;
+                       size_t, bool>;
 
 std::mutex g_mutex;
 std::map<Key, Plan> g_plans;  // never freed: a handful per model shape, alive for the process
@@ -181,9 +181,10 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace,
   // The heuristic's first pick can be far from the best (H200, fp16 4096x768x3072 with the
   // GELU+bias epilogue: 0.093 ms with the first pick, 0.036 ms with the timed best): time the
   // candidates once, unless the stream is being captured into a CUDA graph (no host sync
-  // allowed; then the first pick is kept).
+  // allowed) or deterministic algorithms are requested (the pick must not depend on timing):
+  // then the first pick is kept.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  const bool can_time = cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+  const bool can_time = !g.deterministic && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
                         capture == cudaStreamCaptureStatusNone;
   const int best = found > 1 && can_time
                        ? fastest_algo(g, handle, p, results, found, workspace, workspace_size, stream)
@@ -216,7 +217,8 @@ const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t wo
     return g_error.c_str();
   }
   const Key key{device,  g.m,   g.n,   g.k,          g.trans_a,           g.trans_b,           g.lda,
-                g.ldb,   g.ldd, int(g.dtype), int(g.epilogue), g.bias != nullptr, g.aux_ld, workspace_size};
+                g.ldb,   g.ldd, int(g.dtype), int(g.epilogue), g.bias != nullptr, g.aux_ld, workspace_size,
+                g.deterministic};
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {

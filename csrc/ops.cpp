@@ -349,7 +349,9 @@ bool lt_aligned(const at::Tensor& t) {
 
 // Runs one cuBLASLt GEMM. false (and a one-time warning) when cuBLASLt has no algorithm for
 // this epilogue and shape: the caller then takes its unfused path. Launch failures throw.
-bool try_lt(const LtGemm& g, const at::Tensor& like) {
+bool try_lt(const LtGemm& gemm, const at::Tensor& like) {
+  LtGemm g = gemm;
+  g.deterministic = at::globalContext().deterministicAlgorithms();
   // from the caching allocator: stream-ordered, so freeing it after the async launch is safe
   const at::Tensor workspace = at::empty({int64_t(kLtWorkspaceBytes)}, like.options().dtype(at::kByte));
   bool no_plan = false;

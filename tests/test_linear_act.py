@@ -297,6 +297,21 @@ def test_auto_default_preference_and_table(monkeypatch):
     assert all(set(p) <= {"cuda", "triton", "torch"} and p for p in la._AUTO_TABLE.values())
 
 
+def test_auto_skips_triton_in_deterministic_mode(monkeypatch):
+    # Triton's autotuner picks tiles by timing: under use_deterministic_algorithms "auto" leaves it out
+    dev = torch.device("cpu")
+    monkeypatch.setitem(la._AUTO_TABLE, (0, torch.float16, "gelu", "large", False), ("triton", "cuda"))
+    monkeypatch.setitem(la._AUTO_TABLE, (0, torch.float16, "relu", "large", False), ("triton",))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert la.auto_preference(dev, torch.float16, "gelu", 8192, 4096, 4096) == ("cuda",)
+        assert la.auto_preference(dev, torch.float16, "relu", 8192, 4096, 4096) == ("cuda",)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert la.auto_preference(dev, torch.float16, "gelu", 8192, 4096, 4096) == ("triton", "cuda")
+
+
 def test_auto_on_cpu_runs_torch(monkeypatch):
     seen = []
     real = backends.select

@@ -86,6 +86,32 @@ def test_norm_param_grads_bitwise_repeatable(backend):
     assert all(torch.equal(g[0], grads[0][0]) and torch.equal(g[1], grads[0][1]) for g in grads)
 
 
+def test_linear_act_deterministic_mode(monkeypatch):
+    # use_deterministic_algorithms: cuBLASLt's first heuristic pick (a plan of its own, never
+    # chosen by timing) and no Triton under "auto"; outputs and grads bitwise repeatable
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what torch asks of any cuBLAS user in this mode
+    x = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(1024, 768, device="cuda") * 768**-0.5).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    before = torch.are_deterministic_algorithms_enabled()
+    plans = torch.ops.ampkernels.linear_act_lt_plans_cuda()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(3):
+            w.grad = b.grad = None
+            y = ampkernels.linear_act(x, w, b, "gelu_tanh")
+            y.backward(dy)
+            runs.append((y, w.grad.clone(), b.grad.clone()))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert torch.ops.ampkernels.linear_act_lt_plans_cuda() > plans  # deterministic plans are keyed apart
+    assert all(torch.equal(r[i], runs[0][i]) for r in runs for i in range(3))
+    assert_rel_close(runs[0][0], reference.linear_act(x.double(), w.detach().double(), b.detach().double(),
+                                                      "gelu_tanh"), torch.bfloat16)
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 def test_norm_over_2_31_elements(backend):
     n = 8192

@@ -223,7 +223,12 @@ def _cc_major(device_index):
 def _preference(device, dtype, activation, bucket, training):
     cc = _cc_major(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 0
-    return _AUTO_TABLE.get((cc, dtype, activation, bucket, training), _AUTO_DEFAULT)
+    pref = _AUTO_TABLE.get((cc, dtype, activation, bucket, training), _AUTO_DEFAULT)
+    if torch.are_deterministic_algorithms_enabled():
+        # Triton's autotuner picks tiles by timing, so the bits may differ between processes;
+        # the cuda backend then keeps cuBLASLt's first heuristic pick (csrc/linear_act.cu)
+        pref = tuple(b for b in pref if b != "triton") or ("cuda",)
+    return pref
 
 
 @torch.compiler.assume_constant_result
