@@ -112,6 +112,7 @@ constexpr int kTimedRuns = 5;
 
 // Index of the fastest of the heuristic's candidates, timed on the real operands (their
 // outputs are overwritten by the caller's run right after). Once per plan: one host sync.
+// -1 when no candidate launched: then the GEMM has no plan and the caller's unfused path runs.
 int fastest_algo(const LtGemm& g, cublasLtHandle_t handle, const Plan& p,
                  const cublasLtMatmulHeuristicResult_t* results, int found, void* workspace, size_t workspace_size,
                  cudaStream_t stream) {
@@ -121,7 +122,7 @@ int fastest_algo(const LtGemm& g, cublasLtHandle_t handle, const Plan& p,
     return 0;
   }
   const float alpha = 1.f, beta = 0.f;
-  int best = 0;
+  int best = -1;
   float best_ms = 3.4e38f;
   for (int i = 0; i < found; ++i) {
     if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
@@ -130,6 +131,7 @@ int fastest_algo(const LtGemm& g, cublasLtHandle_t handle, const Plan& p,
                             workspace, workspace_size, stream) == CUBLAS_STATUS_SUCCESS;
     };
     if (!run()) continue;  // warm-up; a candidate that fails to launch is skipped
+    if (best < 0) best = i;  // it launched: usable even if timing it fails below
     bool ok = cudaEventRecord(start, stream) == cudaSuccess;
     for (int r = 0; r < kTimedRuns && ok; ++r) ok = run();
     ok = ok && cudaEventRecord(stop, stream) == cudaSuccess && cudaEventSynchronize(stop) == cudaSuccess;
@@ -189,6 +191,7 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace,
   const int best = found > 1 && can_time
                        ? fastest_algo(g, handle, p, results, found, workspace, workspace_size, stream)
                        : 0;
+  if (best < 0) return fail("cublasLtMatmul (no candidate algorithm launched)", CUBLAS_STATUS_NOT_SUPPORTED, g);
   p.algo = results[best].algo;
   return nullptr;
 }
