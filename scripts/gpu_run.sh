@@ -13,8 +13,10 @@
 # GPU_JIT_CHECK=1 also checks the first-use build of a package installed without _C.
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
+# GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
 # TESTS_TIMEOUT / BENCH_TIMEOUT (seconds) cap those steps so that one call fits its limit;
 # what ran before the cap stays in the logs and results.jsonl.
+# More than 8 files under $OUT: the *.log files go into one logs.tar.gz (8 files come back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -62,6 +64,9 @@ if [ "${GPU_TESTS:-tests}" != none ]; then
   step tests tests.log timeout "${TESTS_TIMEOUT:-3000}" $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests}
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
+if [ "${GPU_SANITIZE:-0}" = 1 ]; then
+  step sanitize sanitize.log env OUT="$OUT" bash scripts/sanitize.sh
+fi
 if [ "${GPU_BENCH:-all}" != none ]; then
   # shellcheck disable=SC2086
   step bench bench.log timeout "${BENCH_TIMEOUT:-3000}" $PY -m ampkernels bench --op ${GPU_BENCH:-all} --out "$OUT" ${BENCH_ARGS:-}
@@ -70,5 +75,9 @@ fi
 echo "== summary"
 printf '%s\n' "${status[@]}"
 grep -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1
+[ -f "$OUT/sanitizer.txt" ] && cat "$OUT/sanitizer.txt"
 [ -f "$OUT/report.txt" ] && cat "$OUT/report.txt"
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
+fi
 exit 0
