@@ -5,6 +5,7 @@ A row: {op, provider, shape..., dtype, pass (fwd|bwd|fwd_bwd), metric, value, ms
 ms_p80, gpu, cc, torch, cuda, triton, commit, time}; rows of a public provider (providers.py)
 also carry provider_version. Plots and reports read these rows.
 """
+import csv
 import datetime
 import functools
 import json
@@ -54,12 +55,20 @@ def bench(fn, *, warmup=25, rep=100, grad_to_none=None):
     return times[2], times[1], times[3]
 
 
+# results.csv: these columns first (fixed, so rows of every op and every run line up), then
+# "extra" holding the row's other fields as JSON
+CSV_COLUMNS = ("time", "op", "provider", "provider_version", "pass", "dtype", "shape", "metric", "value", "ms",
+               "ms_p20", "ms_p80", "gpu", "cc", "torch", "cuda", "triton", "commit")
+
+
 class Recorder:
-    """Collects rows, prints one line per row, and appends them to OUT/results.jsonl."""
+    """Collects rows, prints one line per row, and appends them to OUT/results.jsonl and
+    OUT/results.csv (CSV_COLUMNS, then the other fields as JSON in "extra")."""
 
     def __init__(self, out_dir=None, filename="results.jsonl"):
         self.rows = []
         self.path = os.path.join(out_dir, filename) if out_dir else None
+        self.csv_path = os.path.join(out_dir, "results.csv") if out_dir else None
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
 
@@ -75,6 +84,13 @@ class Recorder:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            new_file = not os.path.exists(self.csv_path)
+            with open(self.csv_path, "a", newline="") as f:
+                w = csv.writer(f)
+                if new_file:
+                    w.writerow((*CSV_COLUMNS, "extra"))
+                extra = {k: v for k, v in row.items() if k not in CSV_COLUMNS}
+                w.writerow((*(row.get(k, "") for k in CSV_COLUMNS), json.dumps(extra)))
         return row
 
 

@@ -66,7 +66,7 @@ def main(argv=None):
     p.add_argument("--op", nargs="+", default=["all"], choices=["all"] + list(MODULES))
     p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
-    p.add_argument("--out", default=None, help="folder for results.jsonl and report.txt (default: ./bench-out)")
+    p.add_argument("--out", default=None, help="folder for results.jsonl, results.csv and report.txt (default: ./bench-out)")
     p.add_argument("--plot", action="store_true", help="also draw PNG plots into --out (needs matplotlib)")
     args = p.parse_args(argv)
     out = args.out or os.path.join(os.getcwd(), "bench-out")

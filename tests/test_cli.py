@@ -1,4 +1,5 @@
 """`ampkernels doctor` and `ampkernels bench` as a user runs them."""
+import csv
 import json
 import os
 import subprocess
@@ -53,6 +54,11 @@ def test_bench_cpu_demo(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {r["op"] for r in rows} == {"layer_norm", "rms_norm", "linear_act"}
     assert all(r["gpu"] == "cpu" and r["value"] > 0 for r in rows)
+    with open(tmp_path / "results.csv", newline="") as f:  # the same rows as CSV, fixed columns first
+        table = list(csv.DictReader(f))
+    assert [(t["op"], t["provider"], float(t["value"])) for t in table] == \
+        [(r["op"], r["provider"], r["value"]) for r in rows]
+    assert all(json.loads(t["extra"]) is not None for t in table)
 
 
 # ---------------------------------------------------------------- public providers (benchmarks/providers.py)
