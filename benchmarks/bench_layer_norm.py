@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
-from .common import bench, guard, progress, standalone_main
+from .common import bench, first_call_s, guard, progress, standalone_main
 
 NS = (768, 1024, 2048, 4096, 8192, 16384)
 QUICK_NS = (768, 2048, 8192, 16384)
@@ -106,7 +106,7 @@ def _fwd(recorder, op, provider, fn, x, w, b, n, quick, autocast=None, **fields)
         with _autocast(autocast)(), torch.no_grad():
             return fn(x, w, b)
 
-    fwd()  # compile / warm up outside the timing
+    fields["first_call_s"] = first_call_s(fwd)  # compile / warm up outside the timing, reported apart
     if provider.startswith("ampkernels-"):
         # the same forward replayed from a CUDA graph: the kernels without host time (diagnostic)
         fields["graph_TBps"] = round(2 * m * n * e / _graph_ms(fwd, timing) / 1e9, 3)
@@ -120,7 +120,7 @@ def _bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, **fie
     bg = leaves[2] if len(leaves) > 2 else None
     with _autocast(autocast)():
         out = fn(xg, wg, bg)
-    out.backward(dy, retain_graph=True)
+    fields["first_call_s"] = first_call_s(functools.partial(out.backward, dy, retain_graph=True))
     ms = bench(functools.partial(out.backward, dy, retain_graph=True), grad_to_none=leaves, **_timing(quick))
     _record(recorder, op, provider, "bwd", x.dtype, n, m, ms, 3 * m * n * e, **fields)
 
@@ -197,9 +197,10 @@ def _inputs(dtype, n, device):
                                  w32=w.float(), b32=b.float())
 
 
-def run(recorder, dtypes=(torch.float16, torch.bfloat16), quick=False, device="cuda"):
-    """Every provider side by side. device="cpu" only smoke-tests this code (tests use it with a
-    tiny TOTAL and NS): eager and the public providers, numbers meaningless."""
+def run(recorder, dtypes=(torch.float16, torch.bfloat16), quick=False, device="cuda", shapes=None):
+    """Every provider side by side. shapes: hidden sizes N (rows M = TOTAL / N), default NS.
+    device="cpu" only smoke-tests this code (tests use it with a tiny TOTAL and NS): eager and
+    the public providers, numbers meaningless."""
     import ampkernels
 
     live = [name for name, (ok, _) in ampkernels.available_backends().items()
@@ -207,7 +208,8 @@ def run(recorder, dtypes=(torch.float16, torch.bfloat16), quick=False, device="c
     public = providers.discover()
     specs = {op: _specs(op, live, public, device) for op in OPS}
     # one case per (dtype, N, op, provider, pass), in the order measured: progress counts these
-    cases = [(dtype, n, op, provider, pas) for dtype in dtypes for n in (QUICK_NS if quick else NS)
+    cases = [(dtype, n, op, provider, pas) for dtype in dtypes
+             for n in (shapes or (QUICK_NS if quick else NS))
              for op, provs in [("copy", {"copy": Spec(None, False, False, ("fwd",), {})})] + list(specs.items())
              for provider, spec in provs.items() for pas in spec.passes]
     t, fns = None, {}

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
-from .common import bench, guard, progress, standalone_main
+from .common import bench, first_call_s, guard, progress, standalone_main
 
 SHAPES = [(4096, 768, 3072), (8192, 1024, 4096), (8192, 4096, 4096), (8192, 4096, 16384)]
 ACTIVATIONS = ("gelu_tanh", "relu", "gelu", "silu")
@@ -124,6 +124,7 @@ def _measure(recorder, name, fn, pas, x, w, b, dtype, shape, activation, quick, 
     flops = (2 if pas == "fwd" else 6) * m * n * k
     if pas == "fwd":
         with torch.no_grad():
+            extra["first_call_s"] = first_call_s(lambda: fn(x, w, b))  # compilation, reported apart
             if ref is not None:
                 extra["rel_err"] = round(_rel_err(fn(x, w, b), ref), 6)
             ms = _timed(lambda: fn(x, w, b), quick)
@@ -134,6 +135,7 @@ def _measure(recorder, name, fn, pas, x, w, b, dtype, shape, activation, quick, 
         def step():
             fn(xs, ws, bs).backward(dy)
 
+        extra["first_call_s"] = first_call_s(step)
         ms = bench(step, warmup=10 if quick else 25, rep=40 if quick else 100, grad_to_none=[xs, ws, bs])
     return _record(recorder, name, pas, dtype, shape, activation, ms, flops, **extra)
 
@@ -163,8 +165,9 @@ def _inputs(dtype, shape, dev):
     return types.SimpleNamespace(key=(dtype, shape), x=x, w=w, b=b)
 
 
-def run(recorder, dtypes, quick, device="cuda"):
-    """Measure every provider side by side. device="cpu" is only a smoke test of this code
+def run(recorder, dtypes, quick, device="cuda", shapes=None):
+    """Measure every provider side by side at shapes (M, K, N), default SHAPES. device="cpu" is
+    only a smoke test of this code
     (tests use it with tiny shapes under TRITON_INTERPRET=1); its numbers mean nothing."""
     from ampkernels import reference
 
@@ -175,7 +178,7 @@ def run(recorder, dtypes, quick, device="cuda"):
     # one case per (dtype, shape, activation, provider, pass), in the order measured: progress counts these
     cases = []
     for dtype in dtypes:
-        for shape in SHAPES:
+        for shape in shapes or SHAPES:
             cases += [(dtype, shape, "none", "matmul", pas) for pas in ("fwd", "fwd_bwd")]
             for activation in ACTIVATIONS:
                 provs = _providers(activation, shape, quick, public)

@@ -46,8 +46,9 @@ def _fused_keys(sd):
     return {("0." + k[2:]) if k.startswith("0.") else f"1.{int(k[0]) - 1}.{k[2:]}": v for k, v in sd.items()}
 
 
-def run(recorder, dtypes, quick):
-    shapes = SHAPES[:1] if quick else SHAPES
+def run(recorder, dtypes, quick, shapes=None):
+    """shapes: (tokens, hidden) pairs, default SHAPES (the first alone with quick)."""
+    shapes = shapes or (SHAPES[:1] if quick else SHAPES)
     for tokens, hidden in shapes:
         providers, eager = _providers(hidden)
         chosen = [p for p in providers if p[2] is None or p[2] in dtypes or "fp32" in p[0]]

@@ -61,6 +61,17 @@ CSV_COLUMNS = ("time", "op", "provider", "provider_version", "pass", "dtype", "s
                "ms_p20", "ms_p80", "gpu", "cc", "torch", "cuda", "triton", "commit")
 
 
+def first_call_s(fn):
+    """Seconds of fn's first call, synchronised: torch.compile's compilation (and autotuning,
+    for the kernels) happens there, so rows report it apart from the timed runs."""
+    import time
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return round(time.perf_counter() - t0, 3)
+
+
 class Recorder:
     """Collects rows, prints one line per row, and appends them to OUT/results.jsonl and
     OUT/results.csv (CSV_COLUMNS, then the other fields as JSON in "extra")."""

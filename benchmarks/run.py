@@ -61,6 +61,16 @@ def cpu_demo(recorder):
     return ok
 
 
+def _shapes_for(module, specs):
+    """--shapes parsed for one benchmark module: the specs of its form (N, MxKxN or TxH)."""
+    if not specs:
+        return None
+    dims = {"bench_layer_norm": 1, "bench_linear_act": 3, "bench_mlp": 2}.get(module)
+    parsed = [tuple(int(d) for d in s.lower().split("x")) for s in specs]
+    mine = [p for p in parsed if len(p) == dims]
+    return [p[0] for p in mine] if dims == 1 else mine or None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="ampkernels bench", description=__doc__.splitlines()[0])
     p.add_argument("--op", nargs="+", default=["all"], choices=["all"] + list(MODULES))
@@ -68,6 +78,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     p.add_argument("--out", default=None, help="folder for results.jsonl, results.csv and report.txt (default: ./bench-out)")
     p.add_argument("--plot", action="store_true", help="also draw PNG plots into --out (needs matplotlib)")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
+                   help="instead of each op's default list: N for layer_norm/rms_norm (rows = 2^27 / N), "
+                        "MxKxN for linear_act, TxH (tokens x hidden) for mlp; e2e keeps its model")
     args = p.parse_args(argv)
     out = args.out or os.path.join(os.getcwd(), "bench-out")
     recorder = Recorder(out)
@@ -91,7 +104,8 @@ def main(argv=None):
             print(f"  skipped: {e}", flush=True)
             continue
         first = len(recorder.rows)
-        mod.run(recorder, dtypes, args.quick)
+        shapes = _shapes_for(name, args.shapes)
+        mod.run(recorder, dtypes, args.quick, **({"shapes": shapes} if shapes else {}))
         report += mod.report(recorder.rows[first:])
         print(f"  {name} took {time.time() - t0:.0f}s", flush=True)
     text = "\n".join(["targets (DESIGN.md), measured in this run:"] + [f"  {line}" for line in report])

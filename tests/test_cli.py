@@ -61,6 +61,15 @@ def test_bench_cpu_demo(tmp_path):
     assert all(json.loads(t["extra"]) is not None for t in table)
 
 
+def test_bench_shape_lists():
+    from benchmarks.run import _shapes_for
+    specs = ["768", "4096x768x3072", "16384x1024", "1536"]
+    assert _shapes_for("bench_layer_norm", specs) == [768, 1536]
+    assert _shapes_for("bench_linear_act", specs) == [(4096, 768, 3072)]
+    assert _shapes_for("bench_mlp", specs) == [(16384, 1024)]
+    assert _shapes_for("bench_e2e", specs) is None and _shapes_for("bench_mlp", None) is None
+
+
 # ---------------------------------------------------------------- public providers (benchmarks/providers.py)
 # Fake libraries stand in for the real ones: modules in sys.modules that expose what each
 # adapter calls, implemented with torch ops, so that discovery, rows and error rows are
