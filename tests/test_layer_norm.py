@@ -251,6 +251,15 @@ def test_triton_interpret_strided_and_3d():
     out = rms_norm(x3, (4, 8), w3, 1e-6, backend="triton")
     assert out.shape == x3.shape
     assert_rel_close(out, F.rms_norm(x3.double(), (4, 8), w3.double(), 1e-6), torch.float16)
+    # 2-D input normalised over both dims: one row of 32, not four of 8
+    x2 = randn(4, 8, dtype=torch.float16, requires_grad=True)
+    b2 = randn(4, 8, requires_grad=True)
+    out = layer_norm(x2, (4, 8), w3, b2, backend="triton")
+    ref = F.layer_norm(x2.detach().double(), (4, 8), w3.double(), b2.detach().double())
+    assert out.shape == x2.shape
+    assert_rel_close(out, ref, torch.float16)
+    out.float().sum().backward()
+    assert x2.grad.shape == x2.shape and b2.grad.shape == b2.shape
 
 
 # ---------------------------------------------------------------- CPU tier: dispatch, errors, plumbing

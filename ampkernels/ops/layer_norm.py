@@ -236,7 +236,8 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
 
     # 2-D contiguous views of everything (strided views are copied, never read wrongly); the
     # common cases skip the calls: this runs once per norm per step, on the host's critical path
-    as_rows = lambda t: t if t.dim() == 2 and t.is_contiguous() else t.reshape(-1, n).contiguous()  # noqa: E731
+    as_rows = lambda t: t if t.dim() == 2 and t.shape[1] == n and t.is_contiguous() \
+        else t.reshape(-1, n).contiguous()  # noqa: E731
     flat = lambda t: t if t is None or (t.dim() == 1 and t.is_contiguous()) else t.reshape(-1).contiguous()  # noqa: E731
     x2 = as_rows(x)
     res2 = None if residual is None else as_rows(residual)
@@ -251,7 +252,7 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
                                        name)
         result = out if res2 is None else (out, res_out)
     if residual is None:
-        return result if x.dim() == 2 else result.reshape(x.shape)
+        return result if x2 is x else result.reshape(x.shape)
     out, res_out = result
     return out.reshape(x.shape), res_out.reshape(x.shape)
 
