@@ -88,7 +88,7 @@ def test_norm_param_grads_bitwise_repeatable(backend):
 
 def test_linear_act_deterministic_mode(monkeypatch):
     # use_deterministic_algorithms: cuBLASLt's first heuristic pick (a plan of its own, never
-    # chosen by timing) and no Triton under "auto"; outputs and grads bitwise repeatable
+    # chosen by timing); outputs and grads bitwise repeatable (auto's choice: test_linear_act.py)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what torch asks of any cuBLAS user in this mode
     x = torch.randn(512, 768, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(1024, 768, device="cuda") * 768**-0.5).to(torch.bfloat16).requires_grad_()
@@ -101,7 +101,7 @@ def test_linear_act_deterministic_mode(monkeypatch):
         runs = []
         for _ in range(3):
             w.grad = b.grad = None
-            y = ampkernels.linear_act(x, w, b, "gelu_tanh")
+            y = ampkernels.linear_act(x, w, b, "gelu_tanh", backend="cuda")
             y.backward(dy)
             runs.append((y, w.grad.clone(), b.grad.clone()))
     finally:
