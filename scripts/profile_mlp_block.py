@@ -1,18 +1,33 @@
-"""Where the MLP-block training step spends GPU time: eager AMP vs ampkernels (torch.profiler).
+"""Where the pre-LN MLP block's AMP training step spends its time: eager vs ampkernels
+(LayerNorm + FusedMLP, and the eager block after nn.convert).
 
-    python scripts/profile_mlp_block.py [T H dtype]   # e.g. 16384 1024 bfloat16
-Prints, per variant, the step time and the top CUDA kernels by total time.
+    python scripts/profile_mlp_block.py [T H dtype] [--only kernels|host]   # e.g. 16384 1024 bfloat16
+
+Per variant:
+- kernels: GPU kernel time per step and the top CUDA kernels by total time (torch.profiler);
+- host: step time back to back (events around 50 steps), host time per step (enqueueing 8
+  steps behind a torch.cuda._sleep, so the host never waits for the GPU; more steps would fill
+  the launch queue, and then the host waits), and the functions with the most own host time
+  under cProfile. A step whose host time is above its GPU time leaves the GPU idle.
 """
+import argparse
 import copy
-import sys
+import cProfile
+import pstats
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ampkernels.nn as aknn
 
-T, H = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (16384, 1024)
-dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.bfloat16
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("shape", nargs="*", default=["16384", "1024", "bfloat16"], help="T H [dtype]")
+p.add_argument("--only", choices=["kernels", "host"])
+args = p.parse_args()
+T, H = int(args.shape[0]), int(args.shape[1])
+dtype = getattr(torch, args.shape[2]) if len(args.shape) > 2 else torch.bfloat16
+STEPS, HOST_STEPS, PROFILED_STEPS = 50, 8, 10
 torch.manual_seed(0)
 eager = torch.nn.Sequential(torch.nn.LayerNorm(H), torch.nn.Linear(H, 4 * H), torch.nn.GELU(approximate="tanh"),
                             torch.nn.Linear(4 * H, H)).cuda()
@@ -20,20 +35,57 @@ fused = torch.nn.Sequential(aknn.LayerNorm(H, out_dtype="autocast"), aknn.FusedM
 converted = copy.deepcopy(eager)
 aknn.convert(converted, norm_out_dtype="autocast")
 x = torch.randn(T, H, device="cuda", requires_grad=True)
-for name, block in (("eager", eager), ("fusedmlp", fused), ("convert", converted)):
-    def step():
-        with torch.autocast("cuda", dtype=dtype):
-            y = x + block(x)
-        y.float().square().mean().backward()
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
+
+
+def kernel_table(name, step):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
+        for _ in range(PROFILED_STEPS):
             step()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events) / 10 / 1e3
+    total = sum(e.self_device_time_total for e in events) / PROFILED_STEPS / 1e3
     print(f"\n== {name}: {total:.3f} ms of GPU kernel time per step")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
-        print(f"  {e.self_device_time_total / 10 / 1e3:7.3f} ms  x{e.count // 10:<3d} {e.key[:110]}")
+        print(f"  {e.self_device_time_total / PROFILED_STEPS / 1e3:7.3f} ms  x{e.count // PROFILED_STEPS:<3d} "
+              f"{e.key[:110]}")
+
+
+def host_time(name, step):
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(STEPS):
+        step()
+    stop.record()
+    torch.cuda.synchronize()
+    gpu_ms = start.elapsed_time(stop) / STEPS
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU busy-wait: the host never blocks below
+    t0 = time.perf_counter()
+    for _ in range(HOST_STEPS):
+        step()
+    host_ms = (time.perf_counter() - t0) * 1e3 / HOST_STEPS
+    torch.cuda.synchronize()
+    print(f"\n== {name}: {gpu_ms:.3f} ms/step back to back, host {host_ms:.3f} ms/step")
+    torch.cuda._sleep(400_000_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(HOST_STEPS):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+
+
+print(f"T={T} H={H} {dtype}")
+for name, block in (("eager", eager), ("fusedmlp", fused), ("convert", converted)):
+    def step(block=block):
+        with torch.autocast("cuda", dtype=dtype):
+            y = x + block(x)
+        y.float().square().mean().backward()
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    if args.only != "host":
+        kernel_table(name, step)
+    if args.only != "kernels":
+        host_time(name, step)
