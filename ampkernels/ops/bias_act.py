@@ -16,15 +16,19 @@ from .. import backends, reference
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _fwd_impl(z, bias, activation, store_pre, backend):
+    if backend == "cuda":
+        return torch.ops.ampkernels.bias_act_fwd_cuda(z, bias, reference.activation_id(activation), store_pre)
+    y, pre = reference.bias_act(z, bias, activation)
+    return y, pre if store_pre else z.new_empty(0)
+
+
 @torch.library.custom_op("ampkernels::bias_act_fwd", mutates_args=())
 def bias_act_fwd(z: Tensor, bias: Optional[Tensor], activation: str, store_pre: bool,
                  backend: str) -> tuple[Tensor, Tensor]:
     """(y, pre) for a 2-D contiguous z; pre = z + bias in z.dtype (what backward reads),
     or an empty tensor when store_pre is False."""
-    if backend == "cuda":
-        return torch.ops.ampkernels.bias_act_fwd_cuda(z, bias, reference.activation_id(activation), store_pre)
-    y, pre = reference.bias_act(z, bias, activation)
-    return y, pre if store_pre else z.new_empty(0)
+    return _fwd_impl(z, bias, activation, store_pre, backend)
 
 
 @bias_act_fwd.register_fake

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, reference
+from .bias_act import _fwd_impl as _bias_act_fwd
 from .linear_act import _bwd_impl as _la_bwd
 from .linear_act import _eager_call
 from .linear_act import _fwd_impl as _la_fwd
@@ -39,10 +40,7 @@ def _fwd_impl(x, w1, b1, w2, b2, activation, backend):
 
 def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
     # recompute the post-activation: the one elementwise pass that saves a hidden-sized tensor
-    if backend == "cuda":
-        h, _ = torch.ops.ampkernels.bias_act_fwd_cuda(pre, None, reference.activation_id(activation), False)
-    else:
-        h = reference.act_fwd(pre, activation)
+    h, _ = _bias_act_fwd(pre, None, activation, False, "cuda" if backend == "cuda" else "torch")
     # second layer (identity), then the first with act' applied to dh on the fly: linear_act's
     # backward (cuda: bias gradient fused into the weight-gradient GEMM)
     dh, dw2, db2 = _la_bwd(dout, h, w2, None, "identity", True, True, b2_dtype is not None, backend)
