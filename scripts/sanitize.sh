@@ -5,8 +5,10 @@
 # Run on the GPU machine after installing the package. Writes $OUT/sanitizer.txt (per run:
 # exit code, time, the tool's summary, error kinds by kernel) and $OUT/sanitizer-logs.tar.gz.
 #   SANITIZER_TOOLS="memcheck initcheck"  SANITIZER_BACKENDS="cuda"  SANITIZER_TIMEOUT=300
-# initcheck also runs the cases through eager PyTorch ("torch", the control): reports it shares
-# with the control come from cuBLAS's kernels or the tool, not from ours.
+# initcheck runs the norms (no cuBLAS involved: any report is ours) apart from linear_act, whose
+# cases also run through eager PyTorch ("torch", the control) with every report printed: reports
+# it shares with the control come from reading what cuBLAS wrote (the tool does not see those
+# writes), not from our kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -23,22 +25,29 @@ export AMPKERNELS_TRITON_AUTOTUNE=0
 # the runs below load them from Triton's cache
 python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { cat "$logs/warmup.log"; exit 1; }
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the tool see each allocation's real bounds
-run() {  # run TOOL BACKENDS...
-  local tool=$1; shift
-  local log="$logs/$tool-${*// /-}.log" extra="" t0=$SECONDS
+run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act" or both ("all")
+  local tool=$1 ops=$2; shift 2
+  local log="$logs/$tool-$ops-${*// /-}.log" extra="" t0=$SECONDS
+  [ "$ops" = all ] && ops="norms linear_act"
   [ "$tool" = memcheck ] && extra="--leak-check full"
-  timeout "${SANITIZER_TIMEOUT:-600}" "$SAN" --tool "$tool" $extra --target-processes all \
+  [ "$tool" = initcheck ] && extra="--print-limit 1000000 --show-backtrace no"  # count every report
+  SANITIZER_OPS="$ops" timeout "${SANITIZER_TIMEOUT:-600}" "$SAN" --tool "$tool" $extra --target-processes all \
     python3 scripts/sanitize_cases.py "$@" >"$log" 2>&1
   local rc=$?
   local line
   line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|sanitize case" "$log" | tail -3 | tr '\n' ' ')
-  echo "$tool [$*]: rc=$rc $((SECONDS - t0))s ${line:-no summary}" | tee -a "$summary"
+  echo "$tool $ops [$*]: rc=$rc $((SECONDS - t0))s ${line:-no summary}" | tee -a "$summary"
   # error kind + the kernel it names, counted
   awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=$0} /^=========     at / && kind {print kind " | " substr($0, 1, 160); kind=""}' \
     "$log" | sort | uniq -c | sort -rn | head -8 | tee -a "$summary"
 }
 for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
-  run "$tool" $BACKENDS
-  [ "$tool" = initcheck ] && run initcheck torch
+  if [ "$tool" = initcheck ]; then
+    run initcheck norms $BACKENDS
+    run initcheck linear_act $BACKENDS
+    run initcheck linear_act torch
+  else
+    run "$tool" all $BACKENDS
+  fi
 done
 tar -czf "$OUT/sanitizer-logs.tar.gz" -C "$logs" .
