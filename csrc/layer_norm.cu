@@ -16,19 +16,36 @@
 // vectors take norm_fwd_looped_kernel: one block per row, three passes over the row (L2-resident).
 // With a residual, s = x + residual is normalised unrounded and stored as residual_out.
 //
-// Backward, norm_bwd_kernel: persistent blocks; each block loops over rows (row groups of G
-// threads, tile as in the forward, at most 2 vectors per thread), writes dx (and dresidual
-// when its dtype differs from dx's), and accumulates dweight = sum(dy * xhat) and
-// dbias = sum(dy) per column in shared memory slots owned by one thread each (no atomics).
-// At the end each block adds its row groups in a fixed order and writes one fp32 partial row;
-// norm_reduce_partials_kernel adds the blocks' partial rows in a fixed order. The grid depends
-// only on the shape, the dtype and the GPU, so the grads are bitwise repeatable.
-// Rows longer than 1024 threads x 2 vectors take norm_bwd_looped_kernel: two passes per row,
-// partial sums kept in the block's own partial row in global memory.
+// Backward. Three kernels, picked per call (bwd_pipe_config, bwd_config); all persistent: each
+// block loops over rows, writes dx (and dresidual when its dtype differs from dx's) and keeps its
+// dweight = sum(dy * xhat) and dbias = sum(dy) column sums in fp32 without atomics, then writes
+// one fp32 partial row; norm_reduce_partials_kernel adds the blocks' partial rows in a fixed
+// order. The grid depends only on the shape, the dtypes and the GPU, so the grads are bitwise
+// repeatable.
+// - norm_bwd_pipe_kernel (16-bit x/dy, cols % 8 == 0, 16-byte aligned, dx in x's dtype, no
+//   separate dresidual, dresidual_out absent or in x's dtype; params fp32, 16-bit or none;
+//   cols <= 16384, and <= 12288 with dresidual_out, within the GPU's shared memory): a group of
+//   G <= 512 threads per row, each thread owning the same 2..4 chunks of 8 columns in every row.
+//   Its weight stays in fp32 registers (for 4 chunks in a per-thread shared-memory slot) and its
+//   dweight/dbias sums in registers for the whole kernel; the x/dy (and dresidual_out) chunks of
+//   the next rows are in flight as cp.async copies into a 2-stage buffer, each thread copying
+//   and reading back only its own slots (no barrier guards the buffer); mean/rstd are loaded one
+//   row ahead; a row takes one barrier (its two sums, when G > 32). 256-thread blocks (512 when
+//   a row needs them), about 128 registers, so 16 warps per SM and 32-128 KB of x/dy in flight
+//   per SM. Why: the previous backward (below) loaded each row only when it got there, so at
+//   one block per SM its load latency was exposed, and it re-read the params after the
+//   reductions; public kernels at 2.8-3.9 TB/s (QuACK) overlap the next row's loads.
+// - norm_bwd_kernel (the rest up to 1024 threads x 2 vectors per row): as the forward's tile,
+//   loads issued when the row starts, per-thread shared-memory slots for the column sums.
+// - norm_bwd_looped_kernel (longer rows): two passes per row, partial sums kept in the block's
+//   own partial row in global memory.
 //
 // Measured on the H200 at a6d9463 (benchmarks/results/h200-2026-11-30-a6d9463*, bf16,
 // M*N = 2^27, N = 768..16384): forward 3.55-3.75 TB/s (RMSNorm), 2.97-3.39 (LayerNorm), up from
-// 2.0-3.4 at fp16 before the forward changes below; backward 1.8-2.3 TB/s (target 3.2).
+// 2.0-3.4 at fp16 before the forward changes below; backward 1.8-2.3 TB/s (target 3.2), with
+// norm_bwd_kernel for every 16-bit case. norm_bwd_pipe_kernel is UNMEASURED on a GPU: written
+// and checked on a machine without one (ptxas: no spills; a CPU emulation of the kernels, one
+// thread per CUDA thread, matched float64 on the shapes and dtypes of tests/test_layer_norm.py).
 // Changes behind those numbers:
 // - forward: the 16-bit row is kept raw (half the registers), the kernel is capped at 64
 //   registers (__launch_bounds__(512, 2); was 81-97, i.e. one 512-thread block per SM at
@@ -37,11 +54,13 @@
 //   barrier per reduction instead of two); params have a compile-time storage type per dispatch.
 //   With a residual the fp32 tile stays (__launch_bounds__(512, 1), as before).
 // - backward: the two row sums share one reduction (two barriers per row instead of four).
-// Known limits: the backward has no prefetch of the next row (each row's load latency is exposed
-// at one 1024-thread block per SM for N > 8192 at 16-bit) and the 16-bit 2-vector variant spills
-// ~80 bytes; params are re-read per row from L1 after the reductions (their latency is covered
-// only by other resident blocks).
+// Known limits: norm_bwd_kernel's 16-bit 2-vector variant spills ~80 bytes (now only for the
+// cases the pipelined kernel does not take); the pipelined kernel's 2 stages, block sizes and
+// kIters model (bwd_pipe_config) are reasoned, not tuned: AMPKERNELS_NORM_BWD_PIPE=0 runs the
+// previous kernels instead and =2/3/4 forces kIters, for side-by-side runs from one build;
+// kPipeStages = 3 is a one-line change where shared memory allows.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -574,6 +593,7 @@ constexpr int kPipeVec = 8;             // 16-bit elements per 16-byte chunk
 constexpr int kPipeMaxThreads = 512;    // threads per block, and per row at most
 constexpr int kPipeBlockThreads = 256;  // block size when a row needs fewer threads
 constexpr int kPipeStages = 2;
+constexpr size_t kPipeStaticSmem = 2 * (kPipeMaxThreads / 32) * sizeof(float2);  // the row-sum buffers
 
 // 16-byte copy global -> shared without registers (sm_80+). Elsewhere a plain copy: still correct
 // because each thread reads back only what it copied itself.
@@ -658,6 +678,7 @@ __global__ void __launch_bounds__(kPipeMaxThreads, 1) norm_bwd_pipe_kernel(const
   using Chunk = Pack<T, kPipeVec>;
   extern __shared__ uint4 pipe_smem[];
   __shared__ float2 red[2][kPipeMaxThreads / 32];
+  static_assert(sizeof(red) == kPipeStaticSmem);
 
   const int nthr = blockDim.x, tid = threadIdx.x;
   const int t = tid % G, g = tid / G, R = nthr / G;  // R rows per block at a time
@@ -736,8 +757,8 @@ __global__ void __launch_bounds__(kPipeMaxThreads, 1) norm_bwd_pipe_kernel(const
   const int64_t iters = slots > blockIdx.x ? (slots - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   auto row_of = [&](int64_t i) { return (int64_t(blockIdx.x) + i * gridDim.x) * R + g; };
   auto has_row = [&](int64_t i) { return i < iters && row_of(i) < a.rows; };
-  // Starts the copies of iteration i's row into stage i % 2 and commits them as one group (an
-  // empty group past the end, so the group count stays one per iteration).
+  // Starts the copies of iteration i's row into stage i % kPipeStages and commits them as one
+  // group (an empty group past the end, so the group count stays one per iteration).
   auto issue = [&](int64_t i) {
     if (has_row(i)) {
       const int stage = int(i % kPipeStages);
@@ -999,32 +1020,62 @@ cudaError_t bwd_blocks(const NormBackwardArgs& a, int num_sms, const TileConfig&
 struct PipeConfig {
   int iters, group, threads;
   size_t smem;
+  size_t smem_limit;  // the kernel's dynamic shared-memory attribute: the same for every call of
+                      // one instantiation, so concurrent host threads never shrink it under a launch
 };
 
 // Takes 16-bit x/dy in 16-byte chunks with dx (and dresidual_out, if any) in x's dtype and no
-// separate dresidual; params of any dtype. kIters in 2..4 with the fewest idle slots (ties: fewer
-// registers), so a row of up to 512 x 4 chunks (N = 16384 at 16 bits) fits one group.
+// separate dresidual; params of any dtype. Rows of up to 512 x 4 chunks (N = 16384 at 16 bits).
+// kIters in 2..4 by a model of the used fraction of the SM: (owned slots / all slots) x
+// (resident threads / 512), 512 being what ~128 registers per thread allow; ties: fewer
+// registers. E.g. N = 1536: 3 x 64 threads (2 blocks of 256 per SM) over 2 x 96 (2 x 192).
+// AMPKERNELS_NORM_BWD_PIPE, read once, for measuring: "0" turns the pipelined backward off (the
+// other kernels take every call: old and new side by side from one build), "2", "3" or "4"
+// forces its kIters (where that fits; else the other kernels). Unset or anything else: the model.
+int pipe_iters_override() {
+  static const int v = [] {
+    const char* s = std::getenv("AMPKERNELS_NORM_BWD_PIPE");
+    if (s == nullptr || s[0] == 0 || s[1] != 0 || !(s[0] == '0' || (s[0] >= '2' && s[0] <= '4'))) return -1;
+    return s[0] - '0';
+  }();
+  return v;
+}
+
 cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
-  *out = PipeConfig{0, 0, 0, 0};
+  *out = PipeConfig{0, 0, 0, 0, 0};
+  const int forced = pipe_iters_override();
+  if (forced == 0) return cudaSuccess;
   if (a.x_dtype == DType::kFloat32 || bwd_vec(a) != kPipeVec) return cudaSuccess;
   if (a.dx_dtype != a.x_dtype || a.dresidual != nullptr) return cudaSuccess;
   if (a.dresidual_out != nullptr && a.dresidual_out_dtype != a.x_dtype) return cudaSuccess;
+  int device = 0, optin = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  if (err != cudaSuccess) return err;
   const int64_t nvec = a.cols / kPipeVec;
-  PipeConfig c{0, 0, 0, 0};
+  PipeConfig best{0, 0, 0, 0, 0};
+  int64_t best_num = 0, best_den = 1;  // the model's value, best_num / best_den
   for (int iters = 2; iters <= 4; ++iters) {
     const int64_t per = ceil_div(nvec, iters);
     const int64_t group = per <= 32 ? next_pow2(per) : ceil_div(per, 32) * 32;  // whole warps, or a power of two
-    if (group > kPipeMaxThreads) continue;
-    if (c.iters == 0 || iters * group < int64_t(c.iters) * c.group) c = {iters, int(group), 0, 0};
+    if (group > kPipeMaxThreads || (forced > 0 && iters != forced)) continue;
+    PipeConfig c{iters, int(group), 0, 0, 0};
+    c.threads = c.group >= kPipeBlockThreads ? c.group : kPipeBlockThreads / c.group * c.group;
+    c.smem = pipe_smem_bytes(c.iters, c.threads, a.dresidual_out != nullptr);
+    if (c.smem + kPipeStaticSmem > size_t(optin)) continue;  // e.g. N = 16384 with dresidual_out
+    const int64_t by_smem = int64_t(per_sm) / int64_t(c.smem + kPipeStaticSmem + 1024);  // 1 KiB reserved per block
+    const int64_t blocks = std::min<int64_t>(kPipeMaxThreads / c.threads, by_smem);
+    const int64_t num = nvec * blocks * c.threads, den = iters * group;  // (nvec / slots) x resident threads
+    if (blocks > 0 && (best.iters == 0 || num * best_den > best_num * den)) {
+      best = c;
+      best_num = num;
+      best_den = den;
+    }
   }
-  if (c.iters == 0) return cudaSuccess;
-  c.threads = c.group >= kPipeBlockThreads ? c.group : kPipeBlockThreads / c.group * c.group;
-  c.smem = pipe_smem_bytes(c.iters, c.threads, a.dresidual_out != nullptr);
-  int device = 0, optin = 0;  // the static reduction buffer shares the per-block limit
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
-  if (c.smem + 2 * (kPipeMaxThreads / 32) * sizeof(float2) <= size_t(optin)) *out = c;
+  if (best.iters == 0) return cudaSuccess;
+  best.smem_limit = std::min(pipe_smem_bytes(best.iters, kPipeMaxThreads, true), size_t(optin) - kPipeStaticSmem);
+  *out = best;
   return cudaSuccess;
 }
 
@@ -1051,7 +1102,7 @@ cudaError_t dispatch_pipe(DType x_dtype, int iters, F&& f) {
 template <typename T, int kIters>
 cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
   const auto kernel = norm_bwd_pipe_kernel<T, kIters>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
   if (err == cudaSuccess) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared));
