@@ -31,8 +31,10 @@ def check(name, got, want, tol):
 for backend in backends:
     for dtype in (getattr(torch, d) for d in os.environ.get("SANITIZER_DTYPES", "float16 bfloat16").split()):
         tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
-        for n in (1, 7, 8191, 65536):
-            for rows in (1, 3):
+        # 768, 1000, 16384: the pipelined CUDA backward (kIters 3, 2 with idle slots, 4); 5000 rows
+        # of 1000 give its blocks several rows each (both buffer stages reused)
+        for n in (1, 7, 768, 1000, 8191, 16384, 65536):
+            for rows in (1, 3, 5000) if n == 1000 else (1, 3):
                 x = torch.randn(rows, n, device=dev, dtype=dtype, requires_grad=True)
                 r = torch.randn(rows, n, device=dev, dtype=dtype, requires_grad=True)
                 w = torch.randn(n, device=dev, requires_grad=True)
