@@ -24,17 +24,19 @@
 // repeatable.
 // - norm_bwd_pipe_kernel (16-bit x/dy, cols % 8 == 0, 16-byte aligned, dx in x's dtype, no
 //   separate dresidual, dresidual_out absent or in x's dtype; params fp32, 16-bit or none;
-//   cols <= 16384, and <= 12288 with dresidual_out, within the GPU's shared memory): a group of
-//   G <= 512 threads per row, each thread owning the same 2..4 chunks of 8 columns in every row.
+//   cols <= 16384 where its buffers fit the GPU's shared memory: on the H200 all but N > 14336
+//   with dresidual_out): a group of G <= 512 threads per row, each thread owning the same 2..4
+//   chunks of 8 columns in every row.
 //   Its weight stays in fp32 registers (for 4 chunks in a per-thread shared-memory slot) and its
 //   dweight/dbias sums in registers for the whole kernel; the x/dy (and dresidual_out) chunks of
 //   the next rows are in flight as cp.async copies into a 2-stage buffer, each thread copying
 //   and reading back only its own slots (no barrier guards the buffer); mean/rstd are loaded one
-//   row ahead; a row takes one barrier (its two sums, when G > 32). 256-thread blocks (512 when
-//   a row needs them), about 128 registers, so 16 warps per SM and 32-128 KB of x/dy in flight
-//   per SM. Why: the previous backward (below) loaded each row only when it got there, so at
-//   one block per SM its load latency was exposed, and it re-read the params after the
-//   reductions; public kernels at 2.8-3.9 TB/s (QuACK) overlap the next row's loads.
+//   row ahead; a row takes one barrier (its two sums, when G > 32). Blocks of whole rows, up to
+//   256 threads (G threads when G > 256); 117-128 registers, so about 16 warps and 64-128 KB of
+//   x/dy in flight per SM (2 stages). Why: the previous backward (below) loaded each row only
+//   when it got there, so at one block per SM its load latency was exposed, and it re-read the
+//   params after the reductions; public kernels at 2.8-3.9 TB/s (QuACK) overlap the next row's
+//   loads.
 // - norm_bwd_kernel (the rest up to 1024 threads x 2 vectors per row): as the forward's tile,
 //   loads issued when the row starts, per-thread shared-memory slots for the column sums.
 // - norm_bwd_looped_kernel (longer rows): two passes per row, partial sums kept in the block's
@@ -45,7 +47,8 @@
 // 2.0-3.4 at fp16 before the forward changes below; backward 1.8-2.3 TB/s (target 3.2), with
 // norm_bwd_kernel for every 16-bit case. norm_bwd_pipe_kernel is UNMEASURED on a GPU: written
 // and checked on a machine without one (ptxas: no spills; a CPU emulation of the kernels, one
-// thread per CUDA thread, matched float64 on the shapes and dtypes of tests/test_layer_norm.py).
+// thread per CUDA thread, matched float64 for N = 8..16384, fp16/bf16, fp32/16-bit/no params,
+// both norms, with and without dresidual_out, and was bitwise repeatable).
 // Changes behind those numbers:
 // - forward: the 16-bit row is kept raw (half the registers), the kernel is capped at 64
 //   registers (__launch_bounds__(512, 2); was 81-97, i.e. one 512-thread block per SM at
