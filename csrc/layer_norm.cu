@@ -16,19 +16,39 @@
 // vectors take norm_fwd_looped_kernel: one block per row, three passes over the row (L2-resident).
 // With a residual, s = x + residual is normalised unrounded and stored as residual_out.
 //
-// Backward, norm_bwd_kernel: persistent blocks; each block loops over rows (row groups of G
-// threads, tile as in the forward, at most 2 vectors per thread), writes dx (and dresidual
-// when its dtype differs from dx's), and accumulates dweight = sum(dy * xhat) and
-// dbias = sum(dy) per column in shared memory slots owned by one thread each (no atomics).
-// At the end each block adds its row groups in a fixed order and writes one fp32 partial row;
-// norm_reduce_partials_kernel adds the blocks' partial rows in a fixed order. The grid depends
-// only on the shape, the dtype and the GPU, so the grads are bitwise repeatable.
-// Rows longer than 1024 threads x 2 vectors take norm_bwd_looped_kernel: two passes per row,
-// partial sums kept in the block's own partial row in global memory.
+// Backward. Three kernels, picked per call (bwd_pipe_config, bwd_config); all persistent: each
+// block loops over rows, writes dx (and dresidual when its dtype differs from dx's) and keeps its
+// dweight = sum(dy * xhat) and dbias = sum(dy) column sums in fp32 without atomics, then writes
+// one fp32 partial row; norm_reduce_partials_kernel adds the blocks' partial rows in a fixed
+// order. The grid depends only on the shape, the dtypes and the GPU, so the grads are bitwise
+// repeatable.
+// - norm_bwd_pipe_kernel (16-bit x/dy, cols % 8 == 0, 16-byte aligned, dx in x's dtype, no
+//   separate dresidual, dresidual_out absent or in x's dtype; params fp32, 16-bit or none;
+//   cols <= 16384 where its buffers fit the GPU's shared memory: on the H200 all but N > 14336
+//   with dresidual_out): a group of G <= 512 threads per row, each thread owning the same 2..4
+//   chunks of 8 columns in every row.
+//   Its weight stays in fp32 registers (for 4 chunks in a per-thread shared-memory slot) and its
+//   dweight/dbias sums in registers for the whole kernel; the x/dy (and dresidual_out) chunks of
+//   the next rows are in flight as cp.async copies into a 2-stage buffer, each thread copying
+//   and reading back only its own slots (no barrier guards the buffer); mean/rstd are loaded one
+//   row ahead; a row takes one barrier (its two sums, when G > 32). Blocks of whole rows, up to
+//   256 threads (G threads when G > 256); 117-128 registers, so about 16 warps and 64-128 KB of
+//   x/dy in flight per SM (2 stages). Why: the previous backward (below) loaded each row only
+//   when it got there, so at one block per SM its load latency was exposed, and it re-read the
+//   params after the reductions; public kernels at 2.8-3.9 TB/s (QuACK) overlap the next row's
+//   loads.
+// - norm_bwd_kernel (the rest up to 1024 threads x 2 vectors per row): as the forward's tile,
+//   loads issued when the row starts, per-thread shared-memory slots for the column sums.
+// - norm_bwd_looped_kernel (longer rows): two passes per row, partial sums kept in the block's
+//   own partial row in global memory.
 //
 // Measured on the H200 at a6d9463 (benchmarks/results/h200-2026-11-30-a6d9463*, bf16,
 // M*N = 2^27, N = 768..16384): forward 3.55-3.75 TB/s (RMSNorm), 2.97-3.39 (LayerNorm), up from
-// 2.0-3.4 at fp16 before the forward changes below; backward 1.8-2.3 TB/s (target 3.2).
+// 2.0-3.4 at fp16 before the forward changes below; backward 1.8-2.3 TB/s (target 3.2), with
+// norm_bwd_kernel for every 16-bit case. norm_bwd_pipe_kernel is UNMEASURED on a GPU: written
+// and checked on a machine without one (ptxas: no spills; a CPU emulation of the kernels, one
+// thread per CUDA thread, matched float64 for N = 8..16384, fp16/bf16, fp32/16-bit/no params,
+// both norms, with and without dresidual_out, and was bitwise repeatable).
 // Changes behind those numbers:
 // - forward: the 16-bit row is kept raw (half the registers), the kernel is capped at 64
 //   registers (__launch_bounds__(512, 2); was 81-97, i.e. one 512-thread block per SM at
@@ -37,11 +57,13 @@
 //   barrier per reduction instead of two); params have a compile-time storage type per dispatch.
 //   With a residual the fp32 tile stays (__launch_bounds__(512, 1), as before).
 // - backward: the two row sums share one reduction (two barriers per row instead of four).
-// Known limits: the backward has no prefetch of the next row (each row's load latency is exposed
-// at one 1024-thread block per SM for N > 8192 at 16-bit) and the 16-bit 2-vector variant spills
-// ~80 bytes; params are re-read per row from L1 after the reductions (their latency is covered
-// only by other resident blocks).
+// Known limits: norm_bwd_kernel's 16-bit 2-vector variant spills ~80 bytes (now only for the
+// cases the pipelined kernel does not take); the pipelined kernel's 2 stages, block sizes and
+// kIters model (bwd_pipe_config) are reasoned, not tuned: AMPKERNELS_NORM_BWD_PIPE=0 runs the
+// previous kernels instead and =2/3/4 forces kIters, for side-by-side runs from one build;
+// kPipeStages = 3 is a one-line change where shared memory allows.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -551,6 +573,323 @@ __global__ void __launch_bounds__(kLoopedThreads) norm_bwd_looped_kernel(const N
   }
 }
 
+// ------------------------------------------------------------------ backward, pipelined (16-bit x and dy)
+
+// norm_bwd_pipe_kernel: the backward for 16-bit x/dy in 16-byte chunks (the common AMP case).
+// A group of G threads owns one row (G a power of two up to 32, else a multiple of 32, <= 512);
+// thread t owns the chunks j = t + k*G (k < kIters) of every row it sees, i.e. the same columns
+// for the whole kernel. Per thread, for those columns:
+// - weight in fp32 registers, loaded once (kIters = 4: in a shared-memory slot of the thread
+//   instead: 3 x 32 fp32 registers for w, dw and db leave too few for the rest at 512 threads);
+// - dweight/dbias partial sums in fp32 registers, added over the block's rows in row order;
+// - the next rows' x, dy (and dresidual_out) chunks in flight: cp.async into this thread's own
+//   slots of a 2-stage shared buffer, issued as soon as the stage is free. A thread only ever
+//   reads the slots it filled, so cp.async.wait_group alone orders the copies before the reads,
+//   and the thread's own reads of a stage (whose values feed its dx stores, issued earlier in
+//   program order) end before it refills that stage: no barrier guards the buffers.
+// Per row: pass 1 reads x, dy from shared memory and adds dy*w*xhat and dy*w (and the dw/db
+// sums); one group sum (shuffles, plus one shared-memory exchange and one barrier when G > 32;
+// the exchange buffer alternates per row so one barrier suffices); pass 2 re-reads x, dy (cheap)
+// and writes dx. At the end the block's row groups are added in group order (through the then
+// idle staging buffer) into one fp32 partial row, as the other backward kernels do.
+constexpr int kPipeVec = 8;             // 16-bit elements per 16-byte chunk
+constexpr int kPipeMaxThreads = 512;    // threads per block, and per row at most
+constexpr int kPipeBlockThreads = 256;  // block size when a row needs fewer threads
+constexpr int kPipeStages = 2;
+constexpr size_t kPipeStaticSmem = 2 * (kPipeMaxThreads / 32) * sizeof(float2);  // the row-sum buffers
+
+// 16-byte copy global -> shared without registers (sm_80+). Elsewhere a plain copy: still correct
+// because each thread reads back only what it copied itself.
+__device__ __forceinline__ void cp_async16(void* dst_smem, const void* src_gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(__cvta_generic_to_global(src_gmem))
+               : "memory");
+#else
+  *static_cast<uint4*>(dst_smem) = *static_cast<const uint4*>(src_gmem);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most kPending of this thread's most recent copy groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Two 16-bit values from two floats in one conversion instruction (round to nearest even, as
+// from_f32); lo goes to the lower address.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2_f32(float lo, float hi) {
+  uint32_t u;
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    memcpy(&u, &h, 4);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    memcpy(&u, &h, 4);
+  }
+  return u;
+}
+
+// Both row sums over the G threads of a row group, every thread of the block calling (G is
+// uniform). All lanes of a group get the same bits (butterfly, then the warps in order).
+// red alternates between two buffers per row: a thread writes red[p] of row i + 2 only after
+// the barrier of row i + 1, which every reader of red[p] for row i has passed.
+__device__ __forceinline__ void pipe_row_sum(float (&s)[2], int G, float2 (&red)[kPipeMaxThreads / 32]) {
+  for (int off = (G < 32 ? G : 32) / 2; off > 0; off >>= 1) {
+    s[0] += __shfl_xor_sync(0xffffffffu, s[0], off);
+    s[1] += __shfl_xor_sync(0xffffffffu, s[1], off);
+  }
+  if (G <= 32) return;
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = make_float2(s[0], s[1]);
+  __syncthreads();
+  const int first = (threadIdx.x / G) * (G / 32);
+  float s0 = 0.f, s1 = 0.f;
+  for (int w = 0; w < G / 32; ++w) {
+    const float2 v = red[first + w];
+    s0 += v.x;
+    s1 += v.y;
+  }
+  s[0] = s0;
+  s[1] = s1;
+}
+
+// Shared memory of norm_bwd_pipe_kernel: kPipeStages x tensors x kIters x threads chunks of 16
+// bytes (slot (stage, tensor, k) of thread tid at ((stage * tensors + tensor) * kIters + k) *
+// threads + tid: a warp's 32 slots are contiguous, no bank conflicts), then for kIters >= 4 the
+// fp32 weight, 2 x kIters float4 per thread in the same thread-minor order.
+size_t pipe_smem_bytes(int iters, int threads, bool dres) {
+  const size_t tensors = dres ? 3 : 2;
+  size_t bytes = kPipeStages * tensors * size_t(iters) * threads * 16;
+  if (iters >= 4) bytes += size_t(iters) * threads * kPipeVec * sizeof(float);
+  return bytes;
+}
+
+template <typename T, int kIters>
+__global__ void __launch_bounds__(kPipeMaxThreads, 1) norm_bwd_pipe_kernel(const NormBackwardArgs a, const int G) {
+  static_assert(sizeof(T) == 2, "16-bit x and dy only");
+  constexpr int E = kIters * kPipeVec;  // columns per thread
+  constexpr bool kWeightInSmem = kIters >= 4;
+  using Chunk = Pack<T, kPipeVec>;
+  extern __shared__ uint4 pipe_smem[];
+  __shared__ float2 red[2][kPipeMaxThreads / 32];
+  static_assert(sizeof(red) == kPipeStaticSmem);
+
+  const int nthr = blockDim.x, tid = threadIdx.x;
+  const int t = tid % G, g = tid / G, R = nthr / G;  // R rows per block at a time
+  const int64_t cols = a.cols, nvec = cols / kPipeVec;
+  const bool has_dres = a.dresidual_out != nullptr;
+  const int tensors = has_dres ? 3 : 2;  // x, dy [, dresidual_out]
+  uint4* const stage_base = pipe_smem + tid;
+  auto slot = [&](int stage, int tensor, int k) { return stage_base + ((stage * tensors + tensor) * kIters + k) * nthr; };
+  float4* const w_smem = reinterpret_cast<float4*>(pipe_smem + kPipeStages * tensors * kIters * nthr) + tid;
+  auto owned = [&](int k) { return t + int64_t(k) * G < nvec; };  // chunk k of this thread is in the row
+
+  // weight (1 without one) for this thread's columns, in fp32, once
+  float w[kWeightInSmem ? 1 : kIters][kPipeVec];
+  {
+    auto load_w = [&]<typename TP>() {
+#pragma unroll
+      for (int k = 0; k < kIters; ++k) {
+        float v[kPipeVec];
+        if (owned(k) && a.weight != nullptr) {
+          load_pack<TP, kPipeVec>(a.weight, (t + int64_t(k) * G) * kPipeVec, v);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kPipeVec; ++e) v[e] = 1.f;
+        }
+        if constexpr (kWeightInSmem) {
+          w_smem[(2 * k) * nthr] = make_float4(v[0], v[1], v[2], v[3]);
+          w_smem[(2 * k + 1) * nthr] = make_float4(v[4], v[5], v[6], v[7]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kPipeVec; ++e) w[k][e] = v[e];
+        }
+      }
+    };
+    switch (a.weight == nullptr ? DType::kFloat32 : a.param_dtype) {
+      case DType::kFloat32: load_w.template operator()<float>(); break;
+      case DType::kFloat16: load_w.template operator()<__half>(); break;
+      case DType::kBFloat16: load_w.template operator()<__nv_bfloat16>(); break;
+    }
+  }
+  auto weight = [&](int k, float (&v)[kPipeVec]) {
+    if constexpr (kWeightInSmem) {  // written by this thread above: no barrier needed
+      const float4 lo = w_smem[(2 * k) * nthr], hi = w_smem[(2 * k + 1) * nthr];
+      v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < kPipeVec; ++e) v[e] = w[k][e];
+    }
+  };
+  auto read_chunk = [&](int stage, int tensor, int k) {
+    const uint4 raw = *slot(stage, tensor, k);
+    Chunk c;
+    memcpy(&c, &raw, sizeof(c));
+    return c;
+  };
+
+  // Slots of chunks past the row's end are never copied into: zero them once, so both passes
+  // run over every slot without a branch (x = dy = 0 there adds exactly 0 to the row sums, given
+  // w = 1 and a finite xhat; a row whose xhat is not finite has no finite sums anyway). Only dx
+  // stores and the partial-row writes test ownership.
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    if (owned(k)) continue;
+    for (int stage = 0; stage < kPipeStages; ++stage)
+      for (int tensor = 0; tensor < tensors; ++tensor) *slot(stage, tensor, k) = make_uint4(0u, 0u, 0u, 0u);
+  }
+
+  float dw[kIters][kPipeVec], db[kIters][kPipeVec];
+#pragma unroll
+  for (int k = 0; k < kIters; ++k)
+#pragma unroll
+    for (int e = 0; e < kPipeVec; ++e) dw[k][e] = db[k][e] = 0.f;
+
+  // Iteration i handles row slot blockIdx.x + i * gridDim.x: rows slot * R + g. Every thread of the
+  // block runs the same iterations (the row sums may synchronise the block).
+  const int64_t slots = (a.rows + R - 1) / R;
+  const int64_t iters = slots > blockIdx.x ? (slots - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  auto row_of = [&](int64_t i) { return (int64_t(blockIdx.x) + i * gridDim.x) * R + g; };
+  auto has_row = [&](int64_t i) { return i < iters && row_of(i) < a.rows; };
+  // Starts the copies of iteration i's row into stage i % kPipeStages and commits them as one
+  // group (an empty group past the end, so the group count stays one per iteration).
+  auto issue = [&](int64_t i) {
+    if (has_row(i)) {
+      const int stage = int(i % kPipeStages);
+      const int64_t base = row_of(i) * cols;
+#pragma unroll
+      for (int k = 0; k < kIters; ++k) {
+        if (!owned(k)) continue;
+        const int64_t off = base + (t + int64_t(k) * G) * kPipeVec;
+        cp_async16(slot(stage, 0, k), static_cast<const T*>(a.x) + off);
+        cp_async16(slot(stage, 1, k), static_cast<const T*>(a.dy) + off);
+        if (has_dres) cp_async16(slot(stage, 2, k), static_cast<const T*>(a.dresidual_out) + off);
+      }
+    }
+    cp_async_commit();
+  };
+  // mean and rstd of iteration i's row, loaded one iteration ahead (their latency is not covered
+  // by the copies, which may have landed long before)
+  auto load_stats = [&](int64_t i, float& mean, float& rstd) {
+    const bool ok = has_row(i);
+    mean = ok && a.mean != nullptr ? a.mean[row_of(i)] : 0.f;
+    rstd = ok ? a.rstd[row_of(i)] : 0.f;
+  };
+
+  const float inv_n = 1.f / float(cols);
+  float next_mean, next_rstd;
+  load_stats(0, next_mean, next_rstd);
+#pragma unroll
+  for (int s = 0; s < kPipeStages; ++s) issue(s);
+
+  for (int64_t i = 0; i < iters; ++i) {
+    const int stage = int(i % kPipeStages);
+    const int64_t row = row_of(i);
+    const bool valid = row < a.rows;
+    const float mean = next_mean, rstd = next_rstd;
+    load_stats(i + 1, next_mean, next_rstd);
+    cp_async_wait<kPipeStages - 1>();  // this row's group has landed; the next one may still fly
+
+    // pass 1: the row sums of g = dy * w and g * xhat, and this thread's dw/db sums
+    float s[2] = {0.f, 0.f};
+    if (valid) {
+#pragma unroll
+      for (int k = 0; k < kIters; ++k) {
+        const Chunk xc = read_chunk(stage, 0, k), dc = read_chunk(stage, 1, k);
+        float wv[kPipeVec];
+        weight(k, wv);
+#pragma unroll
+        for (int e = 0; e < kPipeVec; ++e) {
+          const float xh = (elem_f32(xc, e) - mean) * rstd, d = elem_f32(dc, e), gw = d * wv[e];
+          s[0] += gw * xh;
+          s[1] += gw;
+          dw[k][e] += d * xh;
+          db[k][e] += d;
+        }
+      }
+    }
+    pipe_row_sum(s, G, red[i % 2]);
+    const float c1 = s[0] * inv_n, c2 = a.is_rms ? 0.f : s[1] * inv_n;
+
+    // pass 2: dx = rstd * (g - xhat * c1 - c2) [+ dresidual_out], written in x's dtype
+    if (valid) {
+      T* const dx = static_cast<T*>(a.dx) + row * cols;
+#pragma unroll
+      for (int k = 0; k < kIters; ++k) {
+        const Chunk xc = read_chunk(stage, 0, k), dc = read_chunk(stage, 1, k);
+        float wv[kPipeVec], v[kPipeVec];
+        weight(k, wv);
+#pragma unroll
+        for (int e = 0; e < kPipeVec; ++e) {
+          const float xh = (elem_f32(xc, e) - mean) * rstd;
+          v[e] = rstd * (elem_f32(dc, e) * wv[e] - xh * c1 - c2);
+        }
+        if (has_dres) {
+          const Chunk rc = read_chunk(stage, 2, k);
+#pragma unroll
+          for (int e = 0; e < kPipeVec; ++e) v[e] += elem_f32(rc, e);
+        }
+        uint4 out;
+        out.x = pack2_f32<T>(v[0], v[1]);
+        out.y = pack2_f32<T>(v[2], v[3]);
+        out.z = pack2_f32<T>(v[4], v[5]);
+        out.w = pack2_f32<T>(v[6], v[7]);
+        if (owned(k)) *reinterpret_cast<uint4*>(dx + (t + int64_t(k) * G) * kPipeVec) = out;
+      }
+    }
+    // refill this stage (this thread's reads of it are done: their values fed the stores above)
+    issue(i + kPipeStages);
+  }
+  cp_async_wait<0>();  // (only empty groups can be left; the buffer may be reused below)
+
+  const bool want_dw = a.dweight_partial != nullptr, want_db = a.dbias_partial != nullptr;
+  if (!want_dw && !want_db) return;
+  if (R > 1) {
+    // add the R row groups' sums in group order, through the idle staging buffer (2E floats per
+    // thread fit: the staging holds 2 stages x at least 2 tensors x E 16-bit values per thread)
+    float* const acc = reinterpret_cast<float*>(pipe_smem);
+    __syncthreads();  // every thread is past its last read of its staging slots
+#pragma unroll
+    for (int k = 0; k < kIters; ++k)
+#pragma unroll
+      for (int e = 0; e < kPipeVec; ++e) {
+        acc[(k * kPipeVec + e) * nthr + tid] = dw[k][e];
+        acc[(E + k * kPipeVec + e) * nthr + tid] = db[k][e];
+      }
+    __syncthreads();
+    if (g != 0) return;
+#pragma unroll
+    for (int k = 0; k < kIters; ++k)
+#pragma unroll
+      for (int e = 0; e < kPipeVec; ++e)
+        for (int q = 1; q < R; ++q) {
+          dw[k][e] += acc[(k * kPipeVec + e) * nthr + q * G + t];
+          db[k][e] += acc[(E + k * kPipeVec + e) * nthr + q * G + t];
+        }
+  }
+  float* const dwp = want_dw ? a.dweight_partial + int64_t(blockIdx.x) * cols : nullptr;
+  float* const dbp = want_db ? a.dbias_partial + int64_t(blockIdx.x) * cols : nullptr;
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    if (!owned(k)) continue;
+    const int64_t col = (t + int64_t(k) * G) * kPipeVec;
+#pragma unroll
+    for (int e = 0; e < kPipeVec; ++e) {
+      if (want_dw) dwp[col + e] = dw[k][e];
+      if (want_db) dbp[col + e] = db[k][e];
+    }
+  }
+}
+
 // out[c] = sum over blocks b of partial[b][c], in a fixed order: thread (x, y) adds the rows
 // y, y + 16, ... of column strip x, then column x's 16 sums are added in order y = 0..15.
 // blockIdx.y picks dweight (0) or dbias (1).
@@ -679,6 +1018,104 @@ cudaError_t bwd_blocks(const NormBackwardArgs& a, int num_sms, const TileConfig&
   return cudaSuccess;
 }
 
+// The pipelined backward's shape: iters chunks of 16 bytes per thread, G = group threads per row,
+// threads per block, dynamic shared memory. iters == 0: these args take the other kernels.
+struct PipeConfig {
+  int iters, group, threads;
+  size_t smem;
+  size_t smem_limit;  // the kernel's dynamic shared-memory attribute: the same for every call of
+                      // one instantiation, so concurrent host threads never shrink it under a launch
+};
+
+// Takes 16-bit x/dy in 16-byte chunks with dx (and dresidual_out, if any) in x's dtype and no
+// separate dresidual; params of any dtype. Rows of up to 512 x 4 chunks (N = 16384 at 16 bits).
+// kIters in 2..4 by a model of the used fraction of the SM: (owned slots / all slots) x
+// (resident threads / 512), 512 being what ~128 registers per thread allow; ties: fewer
+// registers. E.g. N = 1536: 3 x 64 threads (2 blocks of 256 per SM) over 2 x 96 (2 x 192).
+// AMPKERNELS_NORM_BWD_PIPE, read once, for measuring: "0" turns the pipelined backward off (the
+// other kernels take every call: old and new side by side from one build), "2", "3" or "4"
+// forces its kIters (where that fits; else the other kernels). Unset or anything else: the model.
+int pipe_iters_override() {
+  static const int v = [] {
+    const char* s = std::getenv("AMPKERNELS_NORM_BWD_PIPE");
+    if (s == nullptr || s[0] == 0 || s[1] != 0 || !(s[0] == '0' || (s[0] >= '2' && s[0] <= '4'))) return -1;
+    return s[0] - '0';
+  }();
+  return v;
+}
+
+cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
+  *out = PipeConfig{0, 0, 0, 0, 0};
+  const int forced = pipe_iters_override();
+  if (forced == 0) return cudaSuccess;
+  if (a.x_dtype == DType::kFloat32 || bwd_vec(a) != kPipeVec) return cudaSuccess;
+  if (a.dx_dtype != a.x_dtype || a.dresidual != nullptr) return cudaSuccess;
+  if (a.dresidual_out != nullptr && a.dresidual_out_dtype != a.x_dtype) return cudaSuccess;
+  int device = 0, optin = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  if (err != cudaSuccess) return err;
+  const int64_t nvec = a.cols / kPipeVec;
+  PipeConfig best{0, 0, 0, 0, 0};
+  int64_t best_num = 0, best_den = 1;  // the model's value, best_num / best_den
+  for (int iters = 2; iters <= 4; ++iters) {
+    const int64_t per = ceil_div(nvec, iters);
+    const int64_t group = per <= 32 ? next_pow2(per) : ceil_div(per, 32) * 32;  // whole warps, or a power of two
+    if (group > kPipeMaxThreads || (forced > 0 && iters != forced)) continue;
+    PipeConfig c{iters, int(group), 0, 0, 0};
+    c.threads = c.group >= kPipeBlockThreads ? c.group : kPipeBlockThreads / c.group * c.group;
+    c.smem = pipe_smem_bytes(c.iters, c.threads, a.dresidual_out != nullptr);
+    if (c.smem + kPipeStaticSmem > size_t(optin)) continue;  // e.g. N = 16384 with dresidual_out
+    const int64_t by_smem = int64_t(per_sm) / int64_t(c.smem + kPipeStaticSmem + 1024);  // 1 KiB reserved per block
+    const int64_t blocks = std::min<int64_t>(kPipeMaxThreads / c.threads, by_smem);
+    const int64_t num = nvec * blocks * c.threads, den = iters * group;  // (nvec / slots) x resident threads
+    if (blocks > 0 && (best.iters == 0 || num * best_den > best_num * den)) {
+      best = c;
+      best_num = num;
+      best_den = den;
+    }
+  }
+  if (best.iters == 0) return cudaSuccess;
+  best.smem_limit = std::min(pipe_smem_bytes(best.iters, kPipeMaxThreads, true), size_t(optin) - kPipeStaticSmem);
+  *out = best;
+  return cudaSuccess;
+}
+
+// Runs f.template operator()<T, kIters>() for the pipelined kernel's 16-bit dtypes.
+template <typename F>
+cudaError_t dispatch_pipe(DType x_dtype, int iters, F&& f) {
+  auto by_iters = [&]<typename T>() -> cudaError_t {
+    switch (iters) {
+      case 2: return f.template operator()<T, 2>();
+      case 3: return f.template operator()<T, 3>();
+      case 4: return f.template operator()<T, 4>();
+    }
+    return cudaErrorInvalidConfiguration;
+  };
+  switch (x_dtype) {
+    case DType::kFloat16: return by_iters.template operator()<__half>();
+    case DType::kBFloat16: return by_iters.template operator()<__nv_bfloat16>();
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// Opens the kernel's shared-memory limit (and prefers shared memory over L1: the kernel streams
+// through shared memory and keeps its weight in registers); per_sm (optional): blocks per SM.
+template <typename T, int kIters>
+cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
+  const auto kernel = norm_bwd_pipe_kernel<T, kIters>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared));
+  }
+  if (err == cudaSuccess && per_sm != nullptr) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, c.threads, c.smem);
+  }
+  return err;
+}
+
 }  // namespace
 
 cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
@@ -708,13 +1145,34 @@ cudaError_t norm_backward_blocks(const NormBackwardArgs& a, int num_sms, int* bl
     *blocks = 1;
     return cudaSuccess;
   }
-  return bwd_blocks(a, num_sms, bwd_config(a), blocks);
+  PipeConfig p;
+  cudaError_t err = bwd_pipe_config(a, &p);
+  if (err != cudaSuccess) return err;
+  if (p.iters == 0) return bwd_blocks(a, num_sms, bwd_config(a), blocks);
+  // as many blocks as fit on the GPU at once, never more than there are row slots
+  int per_sm = 0;
+  err = dispatch_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() { return pipe_prepare<T, kIters>(p, &per_sm); });
+  if (err != cudaSuccess) return err;
+  const int64_t slots = ceil_div(a.rows, p.threads / p.group);
+  *blocks = int(std::min<int64_t>(slots, int64_t(std::max(per_sm, 1)) * num_sms));
+  return cudaSuccess;
 }
 
 cudaError_t norm_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.cols == 0) return cudaSuccess;
-  const TileConfig c = bwd_config(a);
   if (a.num_blocks < 1) return cudaErrorInvalidConfiguration;
+  PipeConfig p;
+  const cudaError_t err = bwd_pipe_config(a, &p);
+  if (err != cudaSuccess) return err;
+  if (p.iters != 0) {
+    return dispatch_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() {
+      const cudaError_t e = pipe_prepare<T, kIters>(p, nullptr);
+      if (e != cudaSuccess) return e;
+      norm_bwd_pipe_kernel<T, kIters><<<unsigned(a.num_blocks), p.threads, p.smem, stream>>>(a, p.group);
+      return cudaGetLastError();
+    });
+  }
+  const TileConfig c = bwd_config(a);
   return dispatch_vec(a.x_dtype, c.vec, [&]<typename T, int kVec>() {
     if (c.iters == 0) {
       norm_bwd_looped_kernel<T, kVec><<<unsigned(a.num_blocks), c.threads, 0, stream>>>(a);
