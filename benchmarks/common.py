@@ -28,13 +28,16 @@ def environment():
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
         env["cc"] = "{}.{}".format(*torch.cuda.get_device_capability())
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                                       text=True, timeout=10, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):  # no git, or no answer: the variable below names it
-        env["commit"] = os.environ.get("AMPKERNELS_COMMIT")
-    env["commit"] = env["commit"] or os.environ.get("AMPKERNELS_COMMIT", "unknown")
+    # AMPKERNELS_COMMIT wins: the GPU machine's copy of the tree can carry a .git whose HEAD is
+    # not the commit that was copied (rows of 2026-11-30's 7672746 run said c6223fe)
+    env["commit"] = os.environ.get("AMPKERNELS_COMMIT")
+    if not env["commit"]:
+        try:
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                           text=True, timeout=10, check=False).stdout.strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            env["commit"] = "unknown"
     return env
 
 

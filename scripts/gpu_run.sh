@@ -9,7 +9,7 @@
 #
 # GPU_TESTS: pytest paths/args for `pytest -m gpu` ("none" skips); GPU_BENCH: benchmark
 # ops (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
-# AMPKERNELS_COMMIT names the commit in result rows where the copy has no .git.
+# AMPKERNELS_COMMIT names the commit in result rows; set it (the copy's .git HEAD may not be the copied tree).
 # GPU_JIT_CHECK=1 also checks the first-use build of a package installed without _C.
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
