@@ -315,8 +315,11 @@ def test_unsupported_inputs_fall_back_to_the_reference(monkeypatch):
 def test_auto_preference_per_pass():
     x = torch.empty(1).expand(ln._HOST_BOUND_ELEMENTS)  # the size counts, not the values
     assert ln._preference(x, 768, "fwd") == ln._preference(x, 16384, "fwd") == ("triton", "cuda")
-    assert ln._preference(x, 2048, "bwd") == ("triton", "cuda")
-    assert ln._preference(x, 16384, "bwd") == ("cuda", "triton")
+    assert ln._preference(x, 768, "bwd") == ln._preference(x, 16384, "bwd") == ("cuda", "triton")
+    # the AMP case, 16-bit x with fp32 params: the CUDA forward
+    xh = torch.empty(1, dtype=torch.float16).expand(ln._HOST_BOUND_ELEMENTS)
+    assert ln._preference(xh, 4096, "fwd", torch.float32) == ("cuda", "triton")
+    assert ln._preference(xh, 4096, "fwd", torch.float16) == ("triton", "cuda")
     # smaller: host-bound, the extension's cheaper launch first in both passes
     small = randn(2, 8)
     assert ln._preference(small, 768, "fwd") == ln._preference(small, 16384, "bwd") == ("cuda", "triton")

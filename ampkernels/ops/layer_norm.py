@@ -167,14 +167,18 @@ class NormFunction(torch.autograd.Function):
 _HOST_BOUND_ELEMENTS = 1 << 25
 
 
-def _preference(x, n, pas="fwd"):
+def _preference(x, n, pas="fwd", param_dtype=None):
     """Backends "auto" tries for one pass ("fwd" or "bwd"), fastest first.
 
     Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
     the forward on one and the backward on the other. From benchmarks/bench_layer_norm.py on an
-    H200 (fp16, M*N = 2^27, N = 768..16384, LayerNorm and RMSNorm side by side): the Triton
-    forward was faster at every N (3.5-4.0 TB/s against 2.1-3.4); the Triton backward at N <=
-    2048 (2.4-2.9 against 2.0-2.8), the CUDA backward at N >= 8192 (1.8-2.6 against 1.0-2.1).
+    H200 at 7672746 (fp16 and bf16, M*N = 2^27, N = 768..16384, LayerNorm and RMSNorm;
+    benchmarks/results/h200x2-2026-11-30-7672746-norms.jsonl):
+    - backward: CUDA at every N (its pipelined kernel, 3.0-3.7 TB/s, against Triton's 1.0-3.1);
+    - forward with params in x's dtype: Triton at every N (3.6-4.1 against 3.0-3.8);
+    - forward of 16-bit x with fp32 params (the AMP case): CUDA (LayerNorm 2.7-3.7 against
+      Triton's 1.9-3.9, behind at all N but 1024; RMSNorm even or ahead at 4 of 6 N).
+    n is the row length; kept in the signature for per-N rules (none today).
 
     Below 2^25 elements the CUDA kernels come first whatever the pass: there a kernel takes less
     GPU time (under ~100 us) than Triton's Python launcher costs the host, and a training step
@@ -182,11 +186,10 @@ def _preference(x, n, pas="fwd"):
     benchmarks/results/h200-2026-11-30-005ac1a-host-profile.txt: ~375 us of host time per
     Triton norm backward call against ~60 us for a call into the extension).
     """
-    if x.numel() < _HOST_BOUND_ELEMENTS:
+    amp_params = param_dtype == torch.float32 and x.dtype != torch.float32
+    if x.numel() < _HOST_BOUND_ELEMENTS or pas == "bwd" or amp_params:
         return ("cuda", "triton")
-    if pas == "fwd" or n <= 4096:
-        return ("triton", "cuda")
-    return ("cuda", "triton")
+    return ("triton", "cuda")
 
 
 def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, backend, is_rms):
@@ -230,7 +233,8 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
         for name, p in (("weight", weight), ("bias", bias)):
             if p is not None and p.dtype not in (x.dtype, torch.float32):
                 unsupported = f"{name} dtype {p.dtype} is neither x's ({x.dtype}) nor float32"
-    fwd_pref, bwd_pref = _preference(x, n, "fwd"), _preference(x, n, "bwd")
+    param_dtype = weight.dtype if weight is not None else None
+    fwd_pref, bwd_pref = _preference(x, n, "fwd", param_dtype), _preference(x, n, "bwd", param_dtype)
     name = backends.select(op, backend, x.device, fwd_pref, unsupported)
     bwd_name = name if bwd_pref == fwd_pref else backends.select(op, backend, x.device, bwd_pref, unsupported)
 
