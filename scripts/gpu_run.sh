@@ -14,6 +14,8 @@
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
+# On a machine with several GPUs the benchmark modules run in parallel, one process per module
+# queued round-robin over the GPUs (BENCH_SPREAD=0: one process); their rows are merged.
 # TESTS_TIMEOUT / BENCH_TIMEOUT (seconds) cap those steps so that one call fits its limit;
 # what ran before the cap stays in the logs and results.jsonl.
 # More than 8 files under $OUT: the *.log files go into one logs.tar.gz (8 files come back).
@@ -67,9 +69,40 @@ fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then
   step sanitize sanitize.log env OUT="$OUT" bash scripts/sanitize.sh
 fi
+bench_spread() {  # one benchmark module per process, queued round-robin over the visible GPUs
+  local ops=$1 ngpu i=0 op
+  ngpu=$(nvidia-smi -L | wc -l)
+  [ "$ops" = all ] && ops="layer_norm linear_act mlp e2e"  # layer_norm's module measures rms_norm too
+  declare -A queue
+  for op in $ops; do queue[$((i % ngpu))]+="$op "; i=$((i + 1)); done
+  for g in "${!queue[@]}"; do
+    ( for op in ${queue[$g]}; do
+        # shellcheck disable=SC2086
+        CUDA_VISIBLE_DEVICES=$g timeout "${BENCH_TIMEOUT:-3000}" $PY -m ampkernels bench --op "$op" \
+          --out "$OUT/bench-$op" ${BENCH_ARGS:-} >"$OUT/bench-$op.log" 2>&1
+        echo "bench $op on GPU $g: rc=$?"
+      done ) &
+  done
+  wait
+  # one results.jsonl / results.csv / report.txt, as a single run writes them
+  echo "targets (DESIGN.md), measured in this run:" >"$OUT/report.txt"
+  for op in $ops; do
+    local d="$OUT/bench-$op"
+    [ -f "$d/results.jsonl" ] && cat "$d/results.jsonl" >>"$OUT/results.jsonl"
+    if [ -f "$d/results.csv" ]; then  # one header
+      if [ -f "$OUT/results.csv" ]; then tail -n +2 "$d/results.csv" >>"$OUT/results.csv"; else cp "$d/results.csv" "$OUT/"; fi
+    fi
+    [ -f "$d/report.txt" ] && tail -n +2 "$d/report.txt" >>"$OUT/report.txt"
+    rm -rf "$d"
+  done
+}
 if [ "${GPU_BENCH:-all}" != none ]; then
-  # shellcheck disable=SC2086
-  step bench bench.log timeout "${BENCH_TIMEOUT:-3000}" $PY -m ampkernels bench --op ${GPU_BENCH:-all} --out "$OUT" ${BENCH_ARGS:-}
+  if [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && [ "${BENCH_SPREAD:-1}" = 1 ]; then
+    step bench bench.log bench_spread "${GPU_BENCH:-all}"
+  else
+    # shellcheck disable=SC2086
+    step bench bench.log timeout "${BENCH_TIMEOUT:-3000}" $PY -m ampkernels bench --op ${GPU_BENCH:-all} --out "$OUT" ${BENCH_ARGS:-}
+  fi
 fi
 
 echo "== summary"
