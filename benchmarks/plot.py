@@ -50,13 +50,17 @@ def _commits(rows):
 def plot_norm(plt, op, rows, ceiling, path):
     panels = _panels([r for r in rows if not _is_copy(r)])
     fig, axes = _grid(plt, len(panels), f"{op}: effective bandwidth ({_env_line(rows)})")
+    # one colour per provider across the panels, so a line keeps its colour from fwd to bwd
+    names = sorted({r["provider"] for r in rows if not _is_copy(r)})
+    colour = {name: f"C{i % 10}" for i, name in enumerate(names)}
     for ax, ((pss, dtype), prs) in zip(axes, panels.items()):
         by = collections.defaultdict(list)
         for r in prs:
             by[r["provider"]].append((r["N"], r["value"]))
         for provider, pts in sorted(by.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=provider)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=provider, color=colour[provider],
+                    ls="--" if provider.endswith("autocast") else "-")
         if ceiling:
             ax.axhline(ceiling, ls="--", color="k", label=f"copy {ceiling:.2f} TB/s")
         ax.set_xscale("log", base=2)
