@@ -86,6 +86,16 @@ def _act_grad(z, ACT: tl.constexpr):
     return g
 
 
+@triton.jit
+def _tile_origin(tile, num_m, num_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # (row, col) of a tile's first element: tiles walked in bands of GROUP_M tile rows, column
+    # by column inside a band, so the programs in flight share x and W tiles in L2
+    in_group = GROUP_M * num_n
+    first_m = (tile // in_group) * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    return (first_m + (tile % in_group) % group_size) * BLOCK_M, ((tile % in_group) // group_size) * BLOCK_N
+
+
 def _fwd_configs():
     if _INTERPRET:  # small tiles: the interpreter runs them as numpy on CPU
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4)]
@@ -117,16 +127,10 @@ def _linear_act_fwd_kernel(
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_m * num_n
-    in_group = GROUP_M * num_n
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        group = tile // in_group
-        first_m = group * GROUP_M
-        group_size = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % group_size
-        pid_n = (tile % in_group) // group_size
-
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        off_m, off_n = _tile_origin(tile, num_m, num_n, GROUP_M, BLOCK_M, BLOCK_N)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         # clamp rows/cols instead of masking the loads: the tail tile re-reads valid memory and
         # its extra rows/cols are never stored (keeps the main loop's loads unmasked along M/N)
@@ -156,23 +160,47 @@ def _linear_act_fwd_kernel(
 
 
 def _tma_configs():
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
-                              pre_hook=_set_block_shapes)]
-    # smem per stage (fp16): (BM + BN) * BK * 2 bytes; the epilogue stages y (and pre) tiles too,
-    # so 3 stages; configs that do not fit (128x256 with pre stored) are dropped by the autotuner.
-    cfg = [(128, 128, 64, 3, 8), (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4)]
+    if _INTERPRET:  # the flattened, subtiled variant: the plain one is the GPU's first config
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "FLATTEN": True,
+                               "SUBTILE": True}, num_warps=4, pre_hook=_set_block_shapes)]
+    # smem per stage (fp16): (BM + BN) * BK * 2 bytes; the epilogue stages y (and pre) tiles too;
+    # configs that do not fit (e.g. 128x256 with pre stored at 4 stages) are dropped by the
+    # autotuner. FLATTEN: one loop over (tile, k) for the software pipeliner, so the next tile's
+    # first loads are in flight during this tile's epilogue; SUBTILE: the epilogue in two
+    # BLOCK_N / 2 halves, half the staging smem (room for a 4th stage). Both after Triton's
+    # persistent-matmul tutorial; UNMEASURED here (added 2026-11-30 without a GPU): the autotuner
+    # times them beside the four plain configs, which stay.
+    cfg = [(128, 128, 64, 3, 8, False, False), (128, 256, 64, 3, 8, False, False),
+           (256, 128, 64, 3, 8, False, False), (128, 128, 64, 4, 4, False, False),
+           (128, 256, 64, 3, 8, True, True), (128, 256, 64, 4, 8, True, True), (128, 128, 64, 4, 8, True, True),
+           (128, 128, 128, 3, 8, True, True)]
     cfg = cfg if _AUTOTUNE else cfg[:1]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w,
-                          pre_hook=_set_block_shapes) for bm, bn, bk, s, w in cfg]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "FLATTEN": flat, "SUBTILE": sub},
+                          num_stages=s, num_warps=w, pre_hook=_set_block_shapes)
+            for bm, bn, bk, s, w, flat, sub in cfg]
 
 
 def _set_block_shapes(nargs):
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    out_n = bn // 2 if nargs["SUBTILE"] else bn  # y and pre are stored in halves when subtiled
     nargs["x_desc"].block_shape = [bm, bk]
     nargs["w_desc"].block_shape = [bn, bk]
-    nargs["y_desc"].block_shape = [bm, bn]
-    nargs["pre_desc"].block_shape = [bm, bn]
+    nargs["y_desc"].block_shape = [bm, out_n]
+    nargs["pre_desc"].block_shape = [bm, out_n]
+
+
+@triton.jit
+def _tma_epilogue(acc, off_m, off_n, b_ptr, y_desc, pre_desc, N, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  STORE_PRE: tl.constexpr, WIDTH: tl.constexpr):
+    # acc: BLOCK_M x WIDTH fp32 at (off_m, off_n): + bias, rounded pre-activation, act
+    if HAS_BIAS:
+        offs_n = off_n + tl.arange(0, WIDTH)
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out_ty = b_ptr.dtype.element_ty  # b_ptr is the bias or, without one, x: always y's dtype
+    pre = acc.to(out_ty)
+    if STORE_PRE:
+        pre_desc.store([off_m, off_n], pre)
+    y_desc.store([off_m, off_n], _act_fwd(pre.to(tl.float32), ACT).to(out_ty))
 
 
 @triton.autotune(configs=_tma_configs(), key=["M", "N", "K", "ACT", "STORE_PRE", "HAS_BIAS"])
@@ -183,6 +211,7 @@ def _linear_act_fwd_tma_kernel(
     NUM_PROGRAMS,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
 ):
     # Same tile walk and epilogue as _linear_act_fwd_kernel; operands move by TMA (Hopper's
     # bulk tensor copies: no address math in registers, out-of-bounds boxes are zero-filled on
@@ -191,28 +220,25 @@ def _linear_act_fwd_tma_kernel(
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_m * num_n
-    in_group = GROUP_M * num_n
-    for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        group = tile // in_group
-        first_m = group * GROUP_M
-        group_size = min(num_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % in_group) % group_size) * BLOCK_M
-        off_n = ((tile % in_group) // group_size) * BLOCK_N
+    # the epilogue walks the tiles with its own counter: with FLATTEN the pipeliner may then
+    # issue the next tile's loads before this tile's epilogue without a shared dependency
+    tile_out = pid - NUM_PROGRAMS
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        off_m, off_n = _tile_origin(tile, num_m, num_n, GROUP_M, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
             a = x_desc.load([off_m, k * BLOCK_K])
             b = w_desc.load([off_n, k * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
-        if HAS_BIAS:
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            acc += bias[None, :]
-        out_ty = b_ptr.dtype.element_ty  # b_ptr is the bias or, without one, x: always y's dtype
-        pre = acc.to(out_ty)
-        if STORE_PRE:
-            pre_desc.store([off_m, off_n], pre)
-        y = _act_fwd(pre.to(tl.float32), ACT)
-        y_desc.store([off_m, off_n], y.to(out_ty))
+        tile_out += NUM_PROGRAMS
+        off_m, off_n = _tile_origin(tile_out, num_m, num_n, GROUP_M, BLOCK_M, BLOCK_N)
+        if SUBTILE:
+            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            _tma_epilogue(acc0, off_m, off_n, b_ptr, y_desc, pre_desc, N, ACT, HAS_BIAS, STORE_PRE, BLOCK_N // 2)
+            _tma_epilogue(acc1, off_m, off_n + BLOCK_N // 2, b_ptr, y_desc, pre_desc, N, ACT, HAS_BIAS, STORE_PRE,
+                          BLOCK_N // 2)
+        else:
+            _tma_epilogue(acc, off_m, off_n, b_ptr, y_desc, pre_desc, N, ACT, HAS_BIAS, STORE_PRE, BLOCK_N)
 
 
 def _tma_ok(*tensors):
