@@ -1,0 +1,161 @@
+"""Compile every Triton kernel launch of ampkernels for a GPU target without a GPU.
+
+The real launchers run on "meta" tensors (shapes, no data); each kernel launch is caught
+before it runs and compiled with Triton's own compiler and bundled ptxas for the target
+(default sm_90: the H200). Autotuned kernels compile every config. A kernel or config that
+does not compile for the GPU is then found on any machine, as the CUDA extension's build is.
+
+    python scripts/triton_compile_check.py [--arch 90] [-v]
+
+Exit status 1 when a compile fails. The Triton here may not be the GPU machine's; passing
+says the sources compile with this Triton. Not under TRITON_INTERPRET (the kernels would be
+interpreter functions): the script clears it for itself.
+"""
+import argparse
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int8: "i8",
+           torch.int32: "i32", torch.int64: "i64"}
+
+
+def _arg_type(value):
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if TensorDescriptor is not None and isinstance(value, TensorDescriptor):
+        shape = ",".join(str(s) for s in value.block_shape)
+        return f"tensordesc<{_DTYPES[value.base.dtype]}[{shape}]>"
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+class Checker:
+    def __init__(self, arch, verbose):
+        self.target = GPUTarget("cuda", arch, 32)
+        self.verbose = verbose
+        self.seen, self.tuned, self.failures = set(), set(), []
+
+    def compile(self, fn, args, kwargs, options):
+        """fn: the JITFunction; args/kwargs: a launch's arguments (kwargs hold the constexprs)."""
+        bound = dict(zip(fn.arg_names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
+        signature, constexprs = {}, {}
+        for param in fn.params:
+            value = bound.get(param.name, param.default)
+            if param.is_constexpr or value is None:
+                signature[param.name] = "constexpr"
+                constexprs[param.name] = value
+            else:
+                signature[param.name] = _arg_type(value)
+        key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted(map(str, constexprs.items()))),
+               tuple(sorted(options.items())))
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        what = f"{fn.__name__} {options} " + " ".join(f"{k}={v}" for k, v in constexprs.items())
+        try:
+            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=self.target,
+                                    options=options)
+            if self.verbose:
+                print(f"ok   {what} (shared {kernel.metadata.shared} B)")
+        except Exception as e:  # noqa: BLE001 -- every failure is reported, then the run goes on
+            self.failures.append(what)
+            print(f"FAIL {what}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+
+    def install(self):
+        checker = self
+
+        def jit_run(fn, *args, grid, warmup, **kwargs):
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+            checker.compile(fn, args, kwargs, options)
+
+        def autotuned_run(tuner, *args, **kwargs):
+            # every config at the first launch of an autotuned kernel per argument types (the
+            # launches start with the heaviest epilogue), the first config afterwards: configs
+            # differ in tiles and stages, launches in constexpr flags
+            first = (tuner.fn.__name__, tuple(_arg_type(a) for a in args))
+            configs = tuner.configs if first not in checker.tuned else tuner.configs[:1]
+            checker.tuned.add(first)
+            for config in configs:
+                nargs = {**dict(zip(tuner.arg_names, args)), **kwargs, **config.kwargs}
+                if config.pre_hook:
+                    config.pre_hook(nargs)
+                options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+                checker.compile(tuner.fn, args, {**kwargs, **config.kwargs}, options)
+
+        JITFunction.run = jit_run
+        Autotuner.run = autotuned_run
+
+
+def launch_everything():
+    """The launchers of ampkernels.triton on meta tensors: every launch configuration regime and
+    every constexpr branch at least once (not every combination: each compile takes seconds)."""
+    from ampkernels.reference import ACTIVATIONS
+    from ampkernels.triton import layer_norm as tln
+    from ampkernels.triton import linear_act as tla
+
+    meta = torch.device("meta")
+    empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device=meta)
+    gelu = ACTIVATIONS.index("gelu")
+    for dtype in (torch.bfloat16, torch.float16):
+        # linear_act, every autotune config: erf GELU with bias and pre stored (the heaviest epilogue)
+        x, w, bias, y = empty(256, 512, dtype=dtype), empty(384, 512, dtype=dtype), empty(384, dtype=dtype), \
+            empty(256, 384, dtype=dtype)
+        for tma in (True, False):
+            tla.linear_act_fwd(x, w, bias, gelu, True, tma=tma)
+        if dtype == torch.float16:
+            continue  # the branches below do not depend on the dtype
+        # every other activation, no bias / no pre (first config)
+        for act_id in range(len(ACTIVATIONS)):
+            for tma in (True, False):
+                tla.linear_act_fwd(x, w, bias, act_id, True, tma=tma)
+            tla.linear_act_dz(y, y, act_id, True)
+        for tma in (True, False):
+            tla.linear_act_fwd(x, w, None, gelu, False, tma=tma)
+        tla.linear_act_dz(y, y, gelu, False)
+        # norms: N picks the regime (several rows per program, one row, looped); LayerNorm with
+        # fp32 params and a residual, RMSNorm with 16-bit params and none
+        for n in (7, 768, 4096, 16384, 65536):
+            x = empty(64, n, dtype=dtype)
+            for is_rms, params, residual in ((False, torch.float32, x), (True, dtype, None)):
+                w = empty(n, dtype=params)
+                b = None if is_rms else empty(n, dtype=params)
+                _, _, mean, rstd = tln.norm_fwd(x, w, b, residual, 1e-5, is_rms, None, False)
+                tln.norm_bwd(x, x, w, mean, rstd, residual, is_rms, True, not is_rms, dtype,
+                             None if residual is None else torch.float32, params)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    checker = Checker(args.arch, args.verbose)
+    checker.install()
+    launch_everything()
+    print(f"triton {triton.__version__}, sm_{args.arch}: {len(checker.seen)} kernel variants compiled, "
+          f"{len(checker.failures)} failed")
+    return 1 if checker.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
