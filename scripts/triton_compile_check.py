@@ -3,7 +3,8 @@
 The real launchers run on "meta" tensors (shapes, no data); each kernel launch is caught
 before it runs and compiled with Triton's own compiler and bundled ptxas for the target
 (default sm_90: the H200). Autotuned kernels compile every config. A kernel or config that
-does not compile for the GPU is then found on any machine, as the CUDA extension's build is.
+does not compile for the GPU is then found on any machine, as the CUDA extension's build is;
+ptxas -v on each kernel's PTX gives its registers and spills (printed with -v, or when it spills).
 
     python scripts/triton_compile_check.py [--arch 90] [-v]
 
@@ -13,13 +14,17 @@ interpreter functions): the script clears it for itself.
 """
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
@@ -75,11 +80,26 @@ class Checker:
         try:
             kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=self.target,
                                     options=options)
-            if self.verbose:
-                print(f"ok   {what} (shared {kernel.metadata.shared} B)")
+            regs, spills = self.ptxas_usage(kernel)
+            if self.verbose or spills:
+                print(f"ok   {what} (shared {kernel.metadata.shared} B, {regs} registers, {spills} B spilled)")
         except Exception as e:  # noqa: BLE001 -- every failure is reported, then the run goes on
             self.failures.append(what)
             print(f"FAIL {what}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+
+    def ptxas_usage(self, kernel):
+        """(registers per thread, bytes of spill stores) from ptxas -v on the kernel's PTX: the
+        figures a GPU run would report, here without one."""
+        ptx = kernel.asm["ptx"]
+        target = re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE).group(1)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            info = subprocess.run([get_ptxas(self.target.arch).path, "-v", f"--gpu-name={target}", f.name,
+                                   "-o", os.devnull], capture_output=True, text=True, check=False).stderr
+        regs = re.search(r"Used (\d+) registers", info)
+        spills = re.search(r"(\d+) bytes spill stores", info)
+        return (int(regs.group(1)) if regs else None), (int(spills.group(1)) if spills else 0)
 
     def install(self):
         checker = self

@@ -322,19 +322,25 @@ def _fwd(x, weight, bias, act_id, store_pre, tma):
 
 @triton.jit
 def _linear_act_dz_kernel(dy_ptr, s_ptr, dz_ptr, part_ptr, M, N, ACT: tl.constexpr, WANT_PARTIAL: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr):
+    # BLOCK_M rows per program (one row of dbias partials each), walked SUB_M rows at a time:
+    # a thread holds few elements whatever BLOCK_M is (a whole 64 x 128 tile at once took 255
+    # registers and spilled, by ptxas -v, scripts/triton_compile_check.py)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    dy = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    dz = (dy * _act_grad(s, ACT)).to(dz_ptr.dtype.element_ty)
-    tl.store(dz_ptr + off, dz, mask=mask)
-    if WANT_PARTIAL:  # dbias = column sums of dz as stored, accumulated in fp32
-        col = tl.sum(tl.where(mask, dz.to(tl.float32), 0.0), axis=0)
+    col = tl.zeros((BLOCK_N,), tl.float32)
+    for r in tl.static_range(0, BLOCK_M, SUB_M):
+        offs_m = pid_m * BLOCK_M + r + tl.arange(0, SUB_M)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        dy = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        dz = (dy * _act_grad(s, ACT)).to(dz_ptr.dtype.element_ty)
+        tl.store(dz_ptr + off, dz, mask=mask)
+        if WANT_PARTIAL:  # dbias = column sums of dz as stored, accumulated in fp32 in a fixed order
+            col += tl.sum(tl.where(mask, dz.to(tl.float32), 0.0), axis=0)
+    if WANT_PARTIAL:
         tl.store(part_ptr + pid_m * N + offs_n, col, mask=offs_n < N)
 
 
@@ -344,11 +350,12 @@ def linear_act_dz(dy, saved, act_id, want_dbias):
     dz = torch.empty_like(dy)
     if M == 0 or N == 0:
         return dz, (torch.zeros(N, dtype=torch.float32, device=dy.device) if want_dbias else None)
-    # 64 x 128 tiles: 16-byte vectors along N and enough rows per program for the column sums
-    BLOCK_M, BLOCK_N = (32, 32) if _INTERPRET else (64, 128)
+    # 64 x 128 tiles, 16 rows at a time: 16-byte vectors along N, 16 elements per thread, and
+    # enough rows per program to keep the dbias partials small
+    BLOCK_M, BLOCK_N, SUB_M = (32, 32, 16) if _INTERPRET else (64, 128, 16)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     part = torch.empty((grid[0], N), dtype=torch.float32, device=dy.device) if want_dbias else dz
     with on_device(dy):
         _linear_act_dz_kernel[grid](dy, saved, dz, part, M, N, ACT=act_id, WANT_PARTIAL=want_dbias,
-                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SUB_M=SUB_M, num_warps=4)
     return dz, (part.sum(0) if want_dbias else None)
