@@ -45,11 +45,13 @@
 // Measured on the H200 at a6d9463 (benchmarks/results/h200-2026-11-30-a6d9463*, bf16,
 // M*N = 2^27, N = 768..16384): forward 3.55-3.75 TB/s (RMSNorm), 2.97-3.39 (LayerNorm), up from
 // 2.0-3.4 at fp16 before the forward changes below; backward 1.8-2.3 TB/s (target 3.2), with
-// norm_bwd_kernel for every 16-bit case. norm_bwd_pipe_kernel is UNMEASURED on a GPU: written
-// and checked on a machine without one (ptxas: no spills; a CPU emulation of the kernels, one
-// thread per CUDA thread, matched float64 for N = 8..16384, fp16/bf16, fp32/16-bit/no params,
-// both norms, with and without dresidual_out, and was bitwise repeatable).
-// Changes behind those numbers:
+// norm_bwd_kernel for every 16-bit case. norm_bwd_pipe_kernel, measured at 7672746
+// (benchmarks/results/h200x2-2026-11-30-7672746-norm*, fp16 and bf16): 3.0-3.7 TB/s, against
+// 1.8-2.4 for the per-row kernels in the same build (AMPKERNELS_NORM_BWD_PIPE=0); the GPU tests
+// and compute-sanitizer's racecheck/memcheck/initcheck passed with it. It was written on a
+// machine without a GPU and checked first by a CPU emulation (tools/kernel_emu: one thread per
+// CUDA thread, float64 reference, bitwise repeatable).
+// Changes behind the a6d9463 numbers:
 // - forward: the 16-bit row is kept raw (half the registers), the kernel is capped at 64
 //   registers (__launch_bounds__(512, 2); was 81-97, i.e. one 512-thread block per SM at
 //   N >= 8192, so no block's loads overlapped another's reductions); kIters may be 3 (N = 768,
