@@ -296,6 +296,35 @@ def test_triton_bwd_config_stages_and_fit(monkeypatch):
         tln._bwd_stages_override.cache_clear()
 
 
+def test_bench_sweep_times_the_default_and_the_previous_bwd_launch(monkeypatch):
+    """benchmarks/bench_layer_norm.py --sweep: for every benchmark N, the default backward config
+    and the launch before the pipelining (AMPKERNELS_TRITON_NORM_BWD_STAGES=1) side by side."""
+    pytest.importorskip("triton")
+    from ampkernels.triton import layer_norm as tln
+    from benchmarks import bench_layer_norm as bench
+    monkeypatch.delenv(tln._STAGES_ENV, raising=False)
+    try:
+        want = {}
+        for env in (None, "1"):
+            if env:
+                monkeypatch.setenv(tln._STAGES_ENV, env)
+            tln._bwd_config.cache_clear()
+            tln._bwd_stages_override.cache_clear()
+            want[env] = {n: tln._bwd_config(n) for n in bench.NS}
+        monkeypatch.delenv(tln._STAGES_ENV)
+        tln._bwd_config.cache_clear()
+        tln._bwd_stages_override.cache_clear()
+        cases = bench._sweep_cases(bench.NS, ("bwd",))
+        ln = {(n, cfg) for n, _, op, w32, cfg in cases if op == "layer_norm" and not w32}
+        for env, configs in want.items():
+            for n, cfg in configs.items():
+                assert (n, cfg) in ln, (env, n, cfg)
+        assert all(len(c[4]) == 6 for c in cases) and len(cases) <= 40, len(cases)  # ~3 s of compile each
+    finally:
+        tln._bwd_config.cache_clear()
+        tln._bwd_stages_override.cache_clear()
+
+
 # Compiles the default backward config for sm_90 without a GPU (triton.compile with a
 # GPUTarget; ptxas ships with Triton) in a process of its own: this one runs the kernels under
 # TRITON_INTERPRET=1, where @triton.jit functions cannot be compiled.
