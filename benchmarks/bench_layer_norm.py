@@ -148,16 +148,17 @@ SWEEP_FWD = {768: [(2, 4), (4, 4), (4, 8), (8, 8), (8, 16)], 2048: [(1, 4), (1, 
 # backward sweep is ~35 compiles). num_stages 1 is the backward before the pipelining (its
 # default configs at num_stages 1 are the previous launch, so old and new are timed side by
 # side); the other ROWS/warps/programs are the next-best of the previous sweep. N = 16384: the
-# RELOAD register kernel (32 and 16 warps) against the looped kernel (the previous default).
+# RELOAD register kernel (16 warps, the default, and 32) against the looped kernel (the previous
+# default).
 _LOOPED = (1, 16, 1, True)
 SWEEP_BWD = {768: [(2, 4, 4, False, (1, 2, 3)), (1, 4, 8, False, (1, 2, 3)), (4, 8, 2, False, (3,))],
              1024: [(2, 4, 4, False, (1, 2, 3))],
              2048: [(1, 4, 4, False, (1, 2, 3)), (1, 8, 2, False, (3,))],
              4096: [(1, 8, 2, False, (1, 2, 3)), (1, 16, 1, False, (3,))],
              8192: [(1, 16, 1, False, (1, 2, 3)), (1, 32, 1, False, (2, 3))],
-             16384: [(1, 32, 1, False, (1, 2)), (1, 16, 1, False, (2,)), (*_LOOPED, (1, 3))]}
+             16384: [(1, 16, 1, False, (1, 2)), (1, 32, 1, False, (2,)), (*_LOOPED, (1, 3))]}
 # fp32 params (the AMP case) where they change the kernel's shared memory and registers most
-SWEEP_BWD_W32 = {16384: [(1, 32, 1, False, (2,)), (*_LOOPED, (3,))]}
+SWEEP_BWD_W32 = {16384: [(1, 16, 1, False, (2,)), (*_LOOPED, (3,))]}
 
 
 def _sweep_cases(ns, passes):

@@ -237,6 +237,8 @@ def test_triton_interpret_bwd_reload(is_rms, monkeypatch):
         x, w, b = _inputs(7, 100, torch.float16, "cpu", torch.float32)
         _check(is_rms, x, w, b, "triton", residual=randn(7, 100), residual_in_fp32=True)
         _check(is_rms, x, None, None, "triton")
+        x, w, b = _inputs(5, 64, torch.float16, "cpu")  # N = BLOCK_N, one row a step: no masks
+        _check(is_rms, x, w, b, "triton", residual=randn(5, 64, dtype=torch.float16))
     finally:
         tln._bwd_config.cache_clear()
 
@@ -244,12 +246,13 @@ def test_triton_interpret_bwd_reload(is_rms, monkeypatch):
 @needs_triton
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_triton_interpret_bwd_real_n(is_rms):
-    """The default backward configs at the benchmark's N, a few rows each (N = 16384: RELOAD)."""
+    """The default backward configs at the benchmark's N, a few rows each (N = 2048: no masks;
+    16384: RELOAD, no masks)."""
     _interp()
     from ampkernels.triton import layer_norm as tln
     tln._bwd_config.cache_clear()
     assert not tln._bwd_config(16384)[4], "N = 16384 takes the register (RELOAD) kernel"
-    for n, pdtype in ((768, torch.float16), (16384, torch.float32)):
+    for n, pdtype in ((768, torch.float16), (2048, torch.float16), (16384, torch.float32)):
         x, w, b = _inputs(3, n, torch.float16, "cpu", pdtype)
         _check(is_rms, x, w, b, "triton")
 
@@ -273,7 +276,7 @@ def test_triton_bwd_config_stages_and_fit(monkeypatch):
             if env == "1":
                 assert tln._bwd_config(16384) == (tln._LOOP_BLOCK, 1, 16, 1, True, 1)
             else:
-                assert tln._bwd_config(16384) == (16384, 1, 32, 1, False, 2)
+                assert tln._bwd_config(16384) == (16384, 1, 16, 1, False, 2)
                 assert tln._bwd_config(65536)[4]
         monkeypatch.setenv(tln._STAGES_ENV, "x")
         tln._bwd_stages_override.cache_clear()
@@ -345,14 +348,16 @@ for arg in sys.argv[1:]:  # N, or N/R: N with the RELOAD kernel taking rows over
     ptrs = {"DY": "*fp16", "X": "*fp16", "W": "*fp16", "MEAN": "*fp32", "RSTD": "*fp32", "DRO": "*fp16",
             "DX": "*fp16", "DRES": "*fp32", "DW_P": "*fp32", "DB_P": "*fp32"}
     ce = {"IS_RMS": False, "HAS_W": True, "HAS_DRO": False, "HAS_DRES": False, "WANT_DW": True, "WANT_DB": True,
-          "BLOCK_N": block, "ROWS": rows, "STAGES": stages, "RELOAD": block > tln._MAX_BWD_BLOCK}
+          "BLOCK_N": block, "ROWS": rows, "STAGES": stages, "RELOAD": block > tln._MAX_BWD_BLOCK,
+          "MASKED": rows > 1 or block != n}
     sig = {**ptrs, "M": "i32", "N": "i32", "rows_per_prog": "i32", **{k: "constexpr" for k in ce}}
     # as the launcher specializes 16-byte aligned pointers and N % 16 == 0
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in [*ptrs, "N"]}
     ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     out[arg] = {"cfg": [block, rows, warps, 1, looped, stages], "smem": ck.metadata.shared,
-                "cp_async": "cp.async" in ck.asm["ptx"], "reload": ce["RELOAD"], "reload_above": tln._MAX_BWD_BLOCK}
+                "cp_async": "cp.async" in ck.asm["ptx"], "reload": ce["RELOAD"], "masked": ce["MASKED"],
+                "reload_above": tln._MAX_BWD_BLOCK}
 print(json.dumps(out))
 """
 
@@ -380,7 +385,7 @@ def test_triton_bwd_compiles_for_sm90_pipelined():
         raise AssertionError(r.stderr[-3000:])
     h = torch.empty(0, dtype=torch.float16)
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert [v["reload"] for v in res.values()] == [False, True], res
+    assert [(v["reload"], v["masked"]) for v in res.values()] == [(False, True), (True, False)], res
     for arg, v in res.items():
         cfg, smem = tuple(v["cfg"]), v["smem"]
         assert cfg[5] >= 2 and v["cp_async"], f"{arg}: the row loop was not pipelined: {v}"

@@ -118,19 +118,28 @@ def _norm_fwd_looped_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
 
 @triton.jit
 def _bwd_tiles(X, DY, W, w, offs, cols, mask, cmask, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
-               W_IN_REGS: tl.constexpr, POLICY: tl.constexpr):
+               W_IN_REGS: tl.constexpr, POLICY: tl.constexpr, MASKED: tl.constexpr):
     """One step's (dy, xhat, g = dy * weight) as fp32 (ROWS, BLOCK_N) tiles. W_IN_REGS: the
-    weight is w (held by the caller), else it is read from W here."""
-    x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
-    dy = tl.load(DY + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    weight is w (held by the caller), else it is read from W here. MASKED: mask/cmask apply."""
+    if MASKED:
+        x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    else:
+        x = tl.load(X + offs, eviction_policy=POLICY).to(tl.float32)
+        dy = tl.load(DY + offs, eviction_policy=POLICY).to(tl.float32)
     if IS_RMS:
         xhat = x * rstd[:, None]
-    else:
+    elif MASKED:
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    else:
+        xhat = (x - mean[:, None]) * rstd[:, None]
     g = dy
     if HAS_W:
         if not W_IN_REGS:
-            w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+            if MASKED:
+                w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+            else:
+                w = tl.load(W + cols).to(tl.float32)
         g = dy * w[None, :]
     return dy, xhat, g
 
@@ -139,7 +148,7 @@ def _bwd_tiles(X, DY, W, w, offs, cols, mask, cmask, mean, rstd, IS_RMS: tl.cons
 def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, N, rows_per_prog,
                      IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DRO: tl.constexpr, HAS_DRES: tl.constexpr,
                      WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                     STAGES: tl.constexpr, RELOAD: tl.constexpr):
+                     STAGES: tl.constexpr, RELOAD: tl.constexpr, MASKED: tl.constexpr):
     # A program owns rows [row_start, row_end) and walks them ROWS at a time, whole rows in
     # registers. STAGES > 1 software-pipelines the walk (tl.range num_stages): the compiler
     # issues the loads of the next STAGES - 1 steps (x, dy, mean, rstd, dresidual_out) as async
@@ -150,6 +159,8 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, N, rows
     # is read per step, and after the two row sums x and dy are read a second time (from L2 or
     # the pipeline's shared memory, not HBM) instead of being held across the sums; only the
     # dweight/dbias sums stay in registers for the walk.
+    # MASKED = ROWS > 1 or N < BLOCK_N; without it (one row a step, N a power of two) no load,
+    # store or select carries a mask (fewer registers: N = 16384 spills less).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -164,14 +175,20 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, N, rows
     for r0 in tl.range(row_start, row_end, ROWS, num_stages=STAGES):
         rows = r0 + tl.arange(0, ROWS)
         rmask = rows < row_end
-        mask = rmask[:, None] & cmask[None, :]
+        mask = rmask[:, None] & cmask[None, :]  # unused unless MASKED
         base = r0 * N  # a scalar int64 row offset; the tiles' offsets stay int32 (64-bit offset tensors cost registers)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        if MASKED:
+            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        else:
+            rstd = tl.load(RSTD + rows)
         mean = rstd  # unused for RMSNorm
         if not IS_RMS:
-            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+            if MASKED:
+                mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+            else:
+                mean = tl.load(MEAN + rows)
         dy, xhat, g = _bwd_tiles(X + base, DY + base, W, w, offs, cols, mask, cmask, mean, rstd, IS_RMS, HAS_W,
-                                 not RELOAD, "")
+                                 not RELOAD, "", MASKED)
         if WANT_DW:
             dw_acc += tl.sum(dy * xhat, axis=0)
         if WANT_DB:
@@ -180,16 +197,23 @@ def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, N, rows
         if RELOAD:
             # a second read of its own (evict_first: the row's last use), not merged with the first
             dy, xhat, g = _bwd_tiles(X + base, DY + base, W, w, offs, cols, mask, cmask, mean, rstd, IS_RMS,
-                                     HAS_W, False, "evict_first")
+                                     HAS_W, False, "evict_first", MASKED)
         c2 = tl.zeros_like(c1)
         if not IS_RMS:
             c2 = tl.sum(g, axis=1) / N  # after the second read: fewer values live across c1's sum
         dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-        if HAS_DRO:
-            dx += tl.load(DRO + base + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + base + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_DRES:
-            tl.store(DRES + base + offs, dx.to(DRES.dtype.element_ty), mask=mask)
+        if MASKED:
+            if HAS_DRO:
+                dx += tl.load(DRO + base + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + base + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_DRES:
+                tl.store(DRES + base + offs, dx.to(DRES.dtype.element_ty), mask=mask)
+        else:
+            if HAS_DRO:
+                dx += tl.load(DRO + base + offs).to(tl.float32)
+            tl.store(DX + base + offs, dx.to(DX.dtype.element_ty))
+            if HAS_DRES:
+                tl.store(DRES + base + offs, dx.to(DRES.dtype.element_ty))
     if WANT_DW:
         tl.store(DW_P + pid * N + cols, dw_acc, mask=cmask)
     if WANT_DB:
@@ -304,17 +328,18 @@ def _index(device):
 # UNMEASURED (written on a machine without a GPU): the pipelined backward's num_stages, the
 # N = 16384 RELOAD config and the pipelined looped kernel. Reasoning behind the defaults:
 # - ROWS / warps / programs per SM stay the measured best above (the pipeline adds loads in
-#   flight; it does not change what each step costs in registers: 96-128 per thread, no spills,
-#   triton 3.8 ptxas for sm_90, bf16).
+#   flight; it does not change what each step costs in registers: 96-116 per thread, no spills,
+#   triton 3.6 and 3.8 compiling for sm_90, bf16 with bf16 params).
 # - 3 stages: two steps' x/dy in flight per program besides the one being reduced. An H200
 #   needs about 26 KB in flight per SM to cover HBM latency at full bandwidth; at 3 stages every
 #   N from 768 up keeps 32-64 KB in flight per SM (e.g. N=768: 4 programs x 2 rows x 2 steps x
 #   3 KB) in 16-64 KB of shared memory per SM (2 stages: about half of that).
-# - N = 16384 (RELOAD, 32 warps, 1 program per SM, 2 stages): a 1024-thread program owns 16
-#   columns per thread with at most 64 registers; x, dy, weight and both sums held in registers
-#   spill (136 bytes a thread), so only the dweight/dbias sums stay and x/dy/weight are read
-#   again after the row sums (12 bytes of spill, bf16 params). Its 2-stage buffers (x, dy,
-#   weight, second x/dy) take 160 KB of shared memory: 3 stages do not fit.
+# - N = 16384 (RELOAD, 16 warps, 1 program per SM, 2 stages): 32 columns a thread, at most 128
+#   registers. x, dy, weight and both sums held in registers spill (244 bytes a thread with
+#   triton 3.6; 160 at 32 warps), so only the dweight/dbias sums stay and x/dy/weight are read
+#   again after the row sums: 0-4 bytes of spill at 16 warps for bf16 or fp32 params, LN or RMS
+#   (24-64 at 32 warps, the sweep's alternative). Its 2-stage buffers (x, dy, weight, second
+#   x/dy) take 160 KB of shared memory (192 KB with fp32 params): 3 stages do not fit.
 # AMPKERNELS_TRITON_NORM_BWD_STAGES=1 gives back the launch before this change (that table, no
 # pipelining, looped kernel at N = 16384) for A/B runs; =2 or =3 forces the stage count.
 _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
@@ -355,7 +380,7 @@ def _bwd_config(n):
     if block > _MAX_BWD_RELOAD_BLOCK:
         return _looped_bwd_config()
     if block > _MAX_BWD_BLOCK:
-        return block, 1, 32, 1, False, min(override or 2, 2)
+        return block, 1, 16, 1, False, min(override or 2, 2)
     rows = min(64, max(1, 2048 // block))
     warps = 4 if block * rows <= 2048 else 8 if block <= 4096 else 16
     return block, rows, warps, 16 // warps, False, override or 3
@@ -449,7 +474,7 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
             _norm_bwd_looped_kernel[(progs,)](*args, **flags, BLOCK_N=block, STAGES=stages, num_warps=warps)
         else:
             _norm_bwd_kernel[(progs,)](*args, **flags, BLOCK_N=block, ROWS=rows, STAGES=stages,
-                                       RELOAD=block > _MAX_BWD_BLOCK, num_warps=warps)
+                                       RELOAD=block > _MAX_BWD_BLOCK, MASKED=rows > 1 or block != N, num_warps=warps)
         for p, out in ((dw_p, dw), (db_p, db)):
             if out.numel():
                 _col_sum_kernel[(triton.cdiv(N, 128),)](p, out, progs, N, BLOCK_R=16, BLOCK_C=128, num_warps=4)
