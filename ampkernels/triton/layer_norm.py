@@ -21,7 +21,7 @@ torch.ops.ampkernels.norm_{fwd,bwd}_cuda ops (ampkernels/ops/layer_norm.py calls
   column chunks, the first pipelined).
   UNMEASURED on a GPU: the pipelining (num_stages), the RELOAD kernel and its launch config
   were written on a machine without one (checked: TRITON_INTERPRET=1 tests, and compiles for
-  sm_90 with triton 3.8 with the ptxas register/spill counts quoted at _bwd_config); the
+  sm_90 with triton 3.6 and 3.8, the ptxas register/spill counts quoted at _bwd_config); the
   numbers at the launch-config section were measured before this change.
   AMPKERNELS_TRITON_NORM_BWD_STAGES=1 restores the previous launch for A/B runs.
 """
@@ -331,9 +331,10 @@ def _index(device):
 #   flight; it does not change what each step costs in registers: 96-116 per thread, no spills,
 #   triton 3.6 and 3.8 compiling for sm_90, bf16 with bf16 params).
 # - 3 stages: two steps' x/dy in flight per program besides the one being reduced. An H200
-#   needs about 26 KB in flight per SM to cover HBM latency at full bandwidth; at 3 stages every
-#   N from 768 up keeps 32-64 KB in flight per SM (e.g. N=768: 4 programs x 2 rows x 2 steps x
-#   3 KB) in 16-64 KB of shared memory per SM (2 stages: about half of that).
+#   needs about 25 KB of loads in flight per SM to cover HBM latency at full bandwidth (4.8 TB/s
+#   x ~0.7 us / 132 SMs); at 3 stages every N from 768 to 8192 keeps 48-64 KB in flight per SM
+#   (N=768: 4 programs x 2 rows x 2 steps x 3 KB of bf16 x and dy) in 64 KB of shared memory
+#   per SM; 2 stages give half of that, barely above the need.
 # - N = 16384 (RELOAD, 16 warps, 1 program per SM, 2 stages): 32 columns a thread, at most 128
 #   registers. x, dy, weight and both sums held in registers spill (244 bytes a thread with
 #   triton 3.6; 160 at 32 warps), so only the dweight/dbias sums stay and x/dy/weight are read
@@ -341,7 +342,10 @@ def _index(device):
 #   (24-64 at 32 warps, the sweep's alternative). Its 2-stage buffers (x, dy, weight, second
 #   x/dy) take 160 KB of shared memory (192 KB with fp32 params): 3 stages do not fit.
 # AMPKERNELS_TRITON_NORM_BWD_STAGES=1 gives back the launch before this change (that table, no
-# pipelining, looped kernel at N = 16384) for A/B runs; =2 or =3 forces the stage count.
+# pipelining, looped kernel at N = 16384) for A/B runs; =2 or =3 forces the stage count. (The
+# kernel body under =1 keeps this change's (BLOCK_N,) sums and unmasked power-of-two rows: same
+# registers or fewer; for ROWS > 1 the dweight/dbias sums add a step's rows first, so they are
+# not bitwise the old kernel's, though as repeatable. The launch is the old one.)
 _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
 
 
