@@ -15,6 +15,8 @@ all at x's element size (so the autocast rows are "TB/s-equivalent"). Backward i
 (retain_graph, grads set to None between runs). Rows: TB/s with median/p20/p80 ms.
 
     python -m benchmarks.bench_layer_norm --out DIR [--quick]
+    python -m benchmarks.bench_layer_norm --out DIR --sweep [--dtype bfloat16] [--sweep-pass bwd|fwd|both]
+        Triton launch configurations alone (metric TB/s-sweep); see SWEEP_BWD
 """
 import collections
 import functools
@@ -137,16 +139,29 @@ def _graph_ms(fn, timing):
     return bench(graph.replay, **timing)[0]
 
 
-# N: ([(ROWS, num_warps) forward], [(ROWS, num_warps) backward]); each pair is one Triton compile
-SWEEP = {768: ([(2, 4), (4, 4), (4, 8), (8, 8), (8, 16)], [(1, 4), (2, 4), (4, 8), (8, 8), (8, 16)]),
-         2048: ([(1, 4), (1, 8), (2, 8), (4, 8), (4, 16)], [(1, 4), (1, 8), (2, 8), (2, 16), (4, 16)]),
-         8192: ([(1, 8), (1, 16), (1, 32)], [(1, 8), (1, 16), (1, 32)]),
-         16384: ([(1, 8), (1, 16), (1, 32)], [(1, 16), (1, 32)])}
+# Forward: N -> [(ROWS, num_warps)], each pair one Triton compile (measured at d776080; the
+# results are in _fwd_config's comment), swept with --sweep-pass fwd or both.
+SWEEP_FWD = {768: [(2, 4), (4, 4), (4, 8), (8, 8), (8, 16)], 2048: [(1, 4), (1, 8), (2, 8), (4, 8), (4, 16)],
+             8192: [(1, 8), (1, 16), (1, 32)], 16384: [(1, 8), (1, 16), (1, 32)]}
+# Backward: N -> [(ROWS, num_warps, programs per SM, looped, (num_stages, ...))]; each
+# (config, num_stages) is one compile (a few seconds on the GPU machine's host: the whole
+# backward sweep is ~35 compiles). num_stages 1 is the backward before the pipelining (its
+# default configs at num_stages 1 are the previous launch, so old and new are timed side by
+# side); the other ROWS/warps/programs are the next-best of the previous sweep. N = 16384: the
+# RELOAD register kernel (16 warps, the default, and 32) against the looped kernel (the previous
+# default).
+_LOOPED = (1, 16, 1, True)
+SWEEP_BWD = {768: [(2, 4, 4, False, (1, 2, 3)), (1, 4, 8, False, (1, 2, 3)), (4, 8, 2, False, (3,))],
+             1024: [(2, 4, 4, False, (1, 2, 3)), (1, 4, 8, False, (3,))],  # 1 row a step: no masks
+             2048: [(1, 4, 4, False, (1, 2, 3)), (1, 8, 2, False, (3,))],
+             4096: [(1, 8, 2, False, (1, 2, 3)), (1, 16, 1, False, (3,))],
+             8192: [(1, 16, 1, False, (1, 2, 3)), (1, 32, 1, False, (2, 3))],
+             16384: [(1, 16, 1, False, (1, 2)), (1, 32, 1, False, (2,)), (*_LOOPED, (1, 3))]}
+# fp32 params (the AMP case) where they change the kernel's shared memory and registers most
+SWEEP_BWD_W32 = {16384: [(1, 16, 1, False, (2,)), (*_LOOPED, (3,))]}
 
 
-def sweep(recorder, ns=QUICK_NS, dtype=torch.float16):
-    """Triton launch configurations (ROWS, num_warps, programs per SM, looped) for the
-    LayerNorm launchers alone, timed side by side: the data behind _fwd_config/_bwd_config."""
+def _sweep_cases(ns, passes):
     import triton
 
     from ampkernels.triton import layer_norm as tln
@@ -154,38 +169,69 @@ def sweep(recorder, ns=QUICK_NS, dtype=torch.float16):
     cases = []
     for n in ns:
         block = triton.next_power_of_2(n)
-        cases += [(n, "fwd", (block, rows, warps)) for rows, warps in SWEEP[n][0]]
-        bwd = [(block, r, wp, ps, False) for r, wp in SWEEP[n][1] for ps in (1, 2, 4, 8) if 16 <= wp * ps <= 64]
-        if n >= 8192:
-            bwd += [(4096, 1, 16, 1, True), (4096, 1, 8, 2, True)]
-        cases += [(n, "bwd", cfg) for cfg in bwd]
+        if "fwd" in passes:
+            cases += [(n, "fwd", "layer_norm", False, (block, rows, warps)) for rows, warps in SWEEP_FWD.get(n, ())]
+        if "bwd" not in passes:
+            continue
+        for w32, table in ((False, SWEEP_BWD), (True, SWEEP_BWD_W32)):
+            for rows, warps, per_sm, looped, stages in table.get(n, ()):
+                for s in stages:
+                    cfg = (tln._LOOP_BLOCK if looped else block, rows, warps, per_sm, looped, s)
+                    cases.append((n, "bwd", "layer_norm", w32, cfg))
+        # RMSNorm at the default config (no bias gradient: fewer registers, another compile)
+        cases.append((n, "bwd", "rms_norm", False, tln._bwd_config(n)))
+    return cases
+
+
+def sweep(recorder, ns=NS, dtype=torch.float16, passes=("bwd",)):
+    """Triton launch configurations for the norm launchers alone (no autograd, no host-side
+    dispatch), timed side by side: the data behind _fwd_config/_bwd_config. Backward configs:
+    (BLOCK_N, ROWS, num_warps, programs per SM, looped, num_stages); each row also says the
+    config norm_bwd actually launched (after its shared-memory fit) and the first call's
+    seconds (the compile)."""
+    from ampkernels.triton import layer_norm as tln
+
+    cases = _sweep_cases(ns, passes)
     fwd_config, bwd_config = tln._fwd_config, tln._bwd_config
     t = None
     try:
-        for n, pas, cfg in progress(cases, "layer_norm sweep", lambda c: f"N={c[0]} {c[1]} {c[2]}"):
+        for case in progress(cases, "layer_norm sweep", lambda c: f"N={c[0]} {c[1]} {c[2]} w32={c[3]} {c[4]}"):
+            n = case[0]
             if t is None or t.x.shape[1] != n:
                 t = None  # free the last N's tensors first
                 torch.cuda.empty_cache()
                 t = _inputs(dtype, n, "cuda")
-                t.mean, t.rstd = tln.norm_fwd(t.x, t.w, t.b, None, EPS, False, None, False)[2:]
-            guard(recorder, "sweep", _sweep_case, recorder, tln, t, n, pas, cfg)
+                tln._fwd_config, tln._bwd_config = fwd_config, bwd_config
+                t.stats = {op: tln.norm_fwd(t.x, t.w, None if op == "rms_norm" else t.b, None, EPS, op == "rms_norm",
+                                            None, False)[2:] for op in OPS}
+            guard(recorder, "sweep", _sweep_case, recorder, tln, t, *case)
     finally:
         tln._fwd_config, tln._bwd_config = fwd_config, bwd_config
 
 
-def _sweep_case(recorder, tln, t, n, pas, cfg):
+def _sweep_case(recorder, tln, t, n, pas, op, w32, cfg):
     m, dtype = t.x.shape[0], t.x.dtype
+    fields = {}
     if pas == "fwd":
         tln._fwd_config = lambda _n: cfg
         fn = functools.partial(tln.norm_fwd, t.x, t.w, t.b, None, EPS, False, None, False)
         provider, nbytes = f"sweep-triton-r{cfg[1]}-w{cfg[2]}", 2 * m * n * 2
     else:
         tln._bwd_config = lambda _n: cfg
-        fn = functools.partial(tln.norm_bwd, t.dy, t.x, t.w, t.mean, t.rstd, None, False, True, True, dtype, None, None)
-        provider = f"sweep-triton-r{cfg[1]}-w{cfg[2]}-p{cfg[3]}{'-looped' if cfg[4] else ''}"
-        nbytes = 3 * m * n * 2
-    recorder.add(op="layer_norm", provider=provider, **{"pass": pas}, dtype=str(dtype)[6:], N=n, M=m,
-                 metric="TB/s-sweep", value=round(nbytes / bench(fn, warmup=5, rep=20)[0] / 1e9, 3))
+        is_rms = op == "rms_norm"
+        w = t.w32 if w32 else t.w
+        mean, rstd = t.stats[op]
+        fn = functools.partial(tln.norm_bwd, t.dy, t.x, w, mean, rstd, None, is_rms, True, not is_rms, dtype, None,
+                               None)
+        reload = not cfg[4] and cfg[0] > tln._MAX_BWD_BLOCK
+        provider = (f"sweep-triton-r{cfg[1]}-w{cfg[2]}-p{cfg[3]}-s{cfg[5]}{'-looped' if cfg[4] else ''}"
+                    f"{'-reload' if reload else ''}{'-w32' if w32 else ''}")
+        nbytes = 3 * m * n * t.x.element_size()
+        launched = tln._bwd_fit(cfg, tln._smem_per_program(t.x.device), t.x, t.dy, w, None)
+        fields = {"config": list(cfg), "launched": list(launched), "param_dtype": str(w.dtype)[6:]}
+    fields["first_call_s"] = first_call_s(fn)
+    recorder.add(op=op, provider=provider, **{"pass": pas}, dtype=str(dtype)[6:], N=n, M=m, metric="TB/s-sweep",
+                 value=round(nbytes / bench(fn, warmup=5, rep=20)[0] / 1e9, 3), **fields)
 
 
 def _inputs(dtype, n, device):
@@ -300,11 +346,15 @@ def report(rows):
 
 def main(argv=None):
     def extra(p):
-        p.add_argument("--sweep", action="store_true", help="only time Triton launch configurations")
+        p.add_argument("--sweep", action="store_true",
+                       help="only time Triton launch configurations (in the first --dtype; N: --sweep-n)")
+        p.add_argument("--sweep-pass", choices=("bwd", "fwd", "both"), default="bwd")
+        p.add_argument("--sweep-n", type=int, nargs="+", default=list(NS))
 
     def special(args, recorder):
         if args.sweep:
-            sweep(recorder)
+            passes = ("fwd", "bwd") if args.sweep_pass == "both" else (args.sweep_pass,)
+            sweep(recorder, tuple(args.sweep_n), getattr(torch, args.dtype[0]), passes)
         return args.sweep
 
     return standalone_main("layer_norm", __doc__, run, report, argv, extra, special)

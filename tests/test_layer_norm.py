@@ -210,9 +210,11 @@ def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
     from ampkernels.triton import layer_norm as tln
     monkeypatch.setattr(tln, "_MAX_FWD_BLOCK", 32)
     monkeypatch.setattr(tln, "_MAX_BWD_BLOCK", 32)
+    monkeypatch.setattr(tln, "_MAX_BWD_RELOAD_BLOCK", 32)
     monkeypatch.setattr(tln, "_LOOP_BLOCK", 32)
     tln._bwd_config.cache_clear()
     try:
+        assert tln._bwd_config(100)[4], "looped backward"
         x, w, b = _inputs(5, 100, torch.float32, "cpu", mean=5.0)
         _check(is_rms, x, w, b, "triton", residual=randn(5, 100))
         _check(is_rms, x, w, b, "triton")
@@ -221,45 +223,177 @@ def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
 
 
 @needs_triton
-def test_triton_interpret_deterministic_and_empty():
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_triton_interpret_bwd_reload(is_rms, monkeypatch):
+    """The backward's RELOAD path (x, dy and weight read again after the row sums: N = 16384 by
+    default), forced on a short row, with every optional input; the interpreter ignores num_stages."""
     _interp()
-    x, w, b = _inputs(37, 24, torch.float32, "cpu")
-    grads = []
-    for _ in range(2):
-        ww = w.detach().clone().requires_grad_()
-        layer_norm(x, 24, ww, b, backend="triton").backward(torch.ones(37, 24))
-        grads.append(ww.grad)
-    assert torch.equal(grads[0], grads[1])
-    x0 = randn(0, 24, requires_grad=True)
-    ww = w.detach().clone().requires_grad_()
-    out = layer_norm(x0, 24, ww, b, backend="triton")
-    assert out.shape == (0, 24)
-    out.sum().backward()
-    assert torch.equal(ww.grad, torch.zeros_like(w))
+    from ampkernels.triton import layer_norm as tln
+    monkeypatch.setattr(tln, "_MAX_BWD_BLOCK", 32)
+    tln._bwd_config.cache_clear()
+    try:
+        cfg = tln._bwd_config(100)
+        assert not cfg[4] and cfg[0] > tln._MAX_BWD_BLOCK, cfg
+        x, w, b = _inputs(7, 100, torch.float16, "cpu", torch.float32)
+        _check(is_rms, x, w, b, "triton", residual=randn(7, 100), residual_in_fp32=True)
+        _check(is_rms, x, None, None, "triton")
+        x, w, b = _inputs(5, 64, torch.float16, "cpu")  # N = BLOCK_N, one row a step: no masks
+        _check(is_rms, x, w, b, "triton", residual=randn(5, 64, dtype=torch.float16))
+    finally:
+        tln._bwd_config.cache_clear()
 
 
 @needs_triton
-def test_triton_interpret_strided_and_3d():
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_triton_interpret_bwd_real_n(is_rms):
+    """The default backward configs at the benchmark's N, a few rows each (N = 2048: no masks;
+    16384: RELOAD, no masks)."""
     _interp()
-    big = randn(6, 4, 80, dtype=torch.float16)
-    x = big[:, 1, 3:67]  # rows 320 elements apart, 6-byte offset
-    w = randn(64)
-    out = layer_norm(x, 64, w, None, backend="triton")
-    assert_rel_close(out, F.layer_norm(x.double(), (64,), w.double()), torch.float16)
-    x3 = randn(2, 3, 4, 8, dtype=torch.float16)
-    w3 = randn(4, 8)
-    out = rms_norm(x3, (4, 8), w3, 1e-6, backend="triton")
-    assert out.shape == x3.shape
-    assert_rel_close(out, F.rms_norm(x3.double(), (4, 8), w3.double(), 1e-6), torch.float16)
-    # 2-D input normalised over both dims: one row of 32, not four of 8
-    x2 = randn(4, 8, dtype=torch.float16, requires_grad=True)
-    b2 = randn(4, 8, requires_grad=True)
-    out = layer_norm(x2, (4, 8), w3, b2, backend="triton")
-    ref = F.layer_norm(x2.detach().double(), (4, 8), w3.double(), b2.detach().double())
-    assert out.shape == x2.shape
-    assert_rel_close(out, ref, torch.float16)
-    out.float().sum().backward()
-    assert x2.grad.shape == x2.shape and b2.grad.shape == b2.shape
+    from ampkernels.triton import layer_norm as tln
+    tln._bwd_config.cache_clear()
+    assert not tln._bwd_config(16384)[4], "N = 16384 takes the register (RELOAD) kernel"
+    for n, pdtype in ((768, torch.float16), (2048, torch.float16), (16384, torch.float32)):
+        x, w, b = _inputs(3, n, torch.float16, "cpu", pdtype)
+        _check(is_rms, x, w, b, "triton")
+
+
+def test_triton_bwd_config_stages_and_fit(monkeypatch):
+    """Launch-config choice (pure Python): the env switch back to the previous launch, and the
+    shared-memory fit that lowers num_stages or takes the looped kernel."""
+    pytest.importorskip("triton")
+    from ampkernels.triton import layer_norm as tln
+    h200_smem = 232448
+    try:
+        for env, want in ((None, (1024, 2, 4, 4, False, 3)), ("1", (1024, 2, 4, 4, False, 1)),
+                          ("2", (1024, 2, 4, 4, False, 2))):
+            if env is None:
+                monkeypatch.delenv(tln._STAGES_ENV, raising=False)
+            else:
+                monkeypatch.setenv(tln._STAGES_ENV, env)
+            tln._bwd_config.cache_clear()
+            tln._bwd_stages_override.cache_clear()
+            assert tln._bwd_config(768) == want, env
+            if env == "1":
+                assert tln._bwd_config(16384) == (tln._LOOP_BLOCK, 1, 16, 1, True, 1)
+            else:
+                assert tln._bwd_config(16384) == (16384, 1, 16, 1, False, 2)
+                assert tln._bwd_config(65536)[4]
+        monkeypatch.setenv(tln._STAGES_ENV, "x")
+        tln._bwd_stages_override.cache_clear()
+        with pytest.raises(ValueError, match=tln._STAGES_ENV):
+            tln._bwd_config(100000)
+        monkeypatch.delenv(tln._STAGES_ENV)
+        tln._bwd_config.cache_clear()
+        tln._bwd_stages_override.cache_clear()
+        t = {dt: torch.empty(0, dtype=dt) for dt in (torch.float16, torch.float32)}
+        h, f = t[torch.float16], t[torch.float32]
+        cfg = tln._bwd_config(16384)
+        assert tln._bwd_fit(cfg, h200_smem, h, h, h, None) == cfg  # 160 KB of buffers
+        assert tln._bwd_fit(cfg, h200_smem, h, h, f, h) == cfg  # 224 KB
+        assert tln._bwd_fit(cfg, h200_smem, h, h, f, f)[4]  # 256 KB: looped
+        assert tln._bwd_fit(cfg, h200_smem, f, f, f, None)[4]
+        assert tln._bwd_fit(tln._bwd_config(8192), h200_smem, f, f, f, f)[5] == 3
+        assert tln._bwd_fit(tln._bwd_config(8192), 100_000, f, f, f, f)[5] == 1
+    finally:
+        tln._bwd_config.cache_clear()
+        tln._bwd_stages_override.cache_clear()
+
+
+def test_bench_sweep_times_the_default_and_the_previous_bwd_launch(monkeypatch):
+    """benchmarks/bench_layer_norm.py --sweep: for every benchmark N, the default backward config
+    and the launch before the pipelining (AMPKERNELS_TRITON_NORM_BWD_STAGES=1) side by side."""
+    pytest.importorskip("triton")
+    from ampkernels.triton import layer_norm as tln
+    from benchmarks import bench_layer_norm as bench
+    monkeypatch.delenv(tln._STAGES_ENV, raising=False)
+    try:
+        want = {}
+        for env in (None, "1"):
+            if env:
+                monkeypatch.setenv(tln._STAGES_ENV, env)
+            tln._bwd_config.cache_clear()
+            tln._bwd_stages_override.cache_clear()
+            want[env] = {n: tln._bwd_config(n) for n in bench.NS}
+        monkeypatch.delenv(tln._STAGES_ENV)
+        tln._bwd_config.cache_clear()
+        tln._bwd_stages_override.cache_clear()
+        cases = bench._sweep_cases(bench.NS, ("bwd",))
+        ln = {(n, cfg) for n, _, op, w32, cfg in cases if op == "layer_norm" and not w32}
+        for env, configs in want.items():
+            for n, cfg in configs.items():
+                assert (n, cfg) in ln, (env, n, cfg)
+        assert all(len(c[4]) == 6 for c in cases) and len(cases) <= 40, len(cases)  # ~3 s of compile each
+    finally:
+        tln._bwd_config.cache_clear()
+        tln._bwd_stages_override.cache_clear()
+
+
+# Compiles the default backward config for sm_90 without a GPU (triton.compile with a
+# GPUTarget; ptxas ships with Triton) in a process of its own: this one runs the kernels under
+# TRITON_INTERPRET=1, where @triton.jit functions cannot be compiled.
+_SM90_PROBE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ampkernels.triton import layer_norm as tln
+fn = tln._norm_bwd_kernel
+out = {}
+for arg in sys.argv[1:]:  # N, or N/R: N with the RELOAD kernel taking rows over R (16384 is slow to compile)
+    n, _, reload_above = arg.partition("/")
+    n = int(n)
+    tln._MAX_BWD_BLOCK = int(reload_above or tln._MAX_BWD_BLOCK)
+    tln._bwd_config.cache_clear()
+    block, rows, warps, _, looped, stages = tln._bwd_config(n)
+    ptrs = {"DY": "*fp16", "X": "*fp16", "W": "*fp16", "MEAN": "*fp32", "RSTD": "*fp32", "DRO": "*fp16",
+            "DX": "*fp16", "DRES": "*fp32", "DW_P": "*fp32", "DB_P": "*fp32"}
+    ce = {"IS_RMS": False, "HAS_W": True, "HAS_DRO": False, "HAS_DRES": False, "WANT_DW": True, "WANT_DB": True,
+          "BLOCK_N": block, "ROWS": rows, "STAGES": stages, "RELOAD": block > tln._MAX_BWD_BLOCK,
+          "MASKED": rows > 1 or block != n}
+    sig = {**ptrs, "M": "i32", "N": "i32", "rows_per_prog": "i32", **{k: "constexpr" for k in ce}}
+    # as the launcher specializes 16-byte aligned pointers and N % 16 == 0
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in [*ptrs, "N"]}
+    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    out[arg] = {"cfg": [block, rows, warps, 1, looped, stages], "smem": ck.metadata.shared,
+                "cp_async": "cp.async" in ck.asm["ptx"], "reload": ce["RELOAD"], "masked": ce["MASKED"],
+                "reload_above": tln._MAX_BWD_BLOCK}
+print(json.dumps(out))
+"""
+
+
+@needs_triton
+def test_triton_bwd_compiles_for_sm90_pipelined():
+    """The interpreter ignores num_stages: compile the default backward config for sm_90 at
+    N = 768 and a RELOAD config (N = 4096 taking it; 16384, the default one, takes ~20 s to
+    compile here), check that the row loop's loads became async copies and that _bwd_fit's
+    shared-memory estimate is conservative (the H200 allows 232448 bytes a block)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from ampkernels.triton import layer_norm as tln
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _SM90_PROBE, "768", "4096/2048"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300, check=False)
+    if r.returncode != 0:
+        if "ImportError" in r.stderr or "cannot import" in r.stderr or "ptxas" in r.stderr:
+            pytest.skip(f"this Triton cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
+        raise AssertionError(r.stderr[-3000:])
+    h = torch.empty(0, dtype=torch.float16)
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [(v["reload"], v["masked"]) for v in res.values()] == [(False, True), (True, False)], res
+    for arg, v in res.items():
+        cfg, smem = tuple(v["cfg"]), v["smem"]
+        assert cfg[5] >= 2 and v["cp_async"], f"{arg}: the row loop was not pipelined: {v}"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tln, "_MAX_BWD_BLOCK", v["reload_above"])
+            assert smem <= 232448 and tln._bwd_fit(cfg, 232448, h, h, h, None) == cfg, v
+            # conservative: the estimate does not claim the config fits in less than the compiler takes
+            assert tln._bwd_fit(cfg, smem - 1, h, h, h, None) != cfg, v
 
 
 # ---------------------------------------------------------------- CPU tier: dispatch, errors, plumbing

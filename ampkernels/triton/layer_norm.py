@@ -11,11 +11,22 @@ torch.ops.ampkernels.norm_{fwd,bwd}_cuda ops (ampkernels/ops/layer_norm.py calls
   up to _MAX_FWD_BLOCK); longer rows take the looped kernel (one row per program, three
   passes over column chunks).
 - Backward: a fixed grid of programs, each owning a contiguous chunk of rows, loops over it
-  ROWS rows at a time; dx in dx_dtype; dweight = sum(dy * xhat) and dbias = sum(dy) are kept
-  in fp32 registers and written as one partial row per program; _col_sum_kernel adds the
-  partial rows in a fixed order. No atomics: bitwise repeatable for a given shape and GPU.
+  ROWS rows at a time, software-pipelined (tl.range num_stages: the next steps' x/dy loads are
+  in flight as async copies into shared memory while this step is reduced); dx in dx_dtype;
+  dweight = sum(dy * xhat) and dbias = sum(dy) are kept as (BLOCK_N,) fp32 registers and
+  written as one partial row per program; _col_sum_kernel adds the partial rows in a fixed
+  order. No atomics: bitwise repeatable for a given shape, dtypes and GPU. Rows up to 8192
+  elements are held in registers; up to 16384 (RELOAD) only the two sums are, x/dy/weight
+  being read again after the row sums; longer rows take the looped kernel (two passes over
+  column chunks, the first pipelined).
+  UNMEASURED on a GPU: the pipelining (num_stages), the RELOAD kernel and its launch config
+  were written on a machine without one (checked: TRITON_INTERPRET=1 tests, and compiles for
+  sm_90 with triton 3.6 and 3.8, the ptxas register/spill counts quoted at _bwd_config); the
+  numbers at the launch-config section were measured before this change.
+  AMPKERNELS_TRITON_NORM_BWD_STAGES=1 restores the previous launch for A/B runs.
 """
 import functools
+import os
 
 import torch
 import triton
@@ -24,8 +35,10 @@ import triton.language as tl
 from . import on_device
 
 _MAX_FWD_BLOCK = 16384  # elements of a row held in registers by the forward
-_MAX_BWD_BLOCK = 8192   # ... by the backward (x, dy, dweight and dbias sums live at once; 16384 spills)
+_MAX_BWD_BLOCK = 8192   # ... by the backward with x, dy, weight and the dweight/dbias sums (16384 spills)
+_MAX_BWD_RELOAD_BLOCK = 16384  # ... by the backward holding only the sums (RELOAD: x, dy, weight read twice)
 _LOOP_BLOCK = 4096      # column chunk of the looped kernels
+_SMEM_MARGIN = 2048     # shared memory beyond the pipeline buffers (reduction scratch, mean/rstd)
 
 
 @triton.jit
@@ -104,63 +117,119 @@ def _norm_fwd_looped_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
 
 
 @triton.jit
+def _bwd_tiles(X, DY, W, w, offs, cols, mask, cmask, mean, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+               W_IN_REGS: tl.constexpr, POLICY: tl.constexpr, MASKED: tl.constexpr):
+    """One step's (dy, xhat, g = dy * weight) as fp32 (ROWS, BLOCK_N) tiles. W_IN_REGS: the
+    weight is w (held by the caller), else it is read from W here. MASKED: mask/cmask apply."""
+    if MASKED:
+        x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    else:
+        x = tl.load(X + offs, eviction_policy=POLICY).to(tl.float32)
+        dy = tl.load(DY + offs, eviction_policy=POLICY).to(tl.float32)
+    if IS_RMS:
+        xhat = x * rstd[:, None]
+    elif MASKED:
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    else:
+        xhat = (x - mean[:, None]) * rstd[:, None]
+    g = dy
+    if HAS_W:
+        if not W_IN_REGS:
+            if MASKED:
+                w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+            else:
+                w = tl.load(W + cols).to(tl.float32)
+        g = dy * w[None, :]
+    return dy, xhat, g
+
+
+@triton.jit
 def _norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, N, rows_per_prog,
                      IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DRO: tl.constexpr, HAS_DRES: tl.constexpr,
-                     WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+                     WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                     STAGES: tl.constexpr, RELOAD: tl.constexpr, MASKED: tl.constexpr):
+    # A program owns rows [row_start, row_end) and walks them ROWS at a time, whole rows in
+    # registers. STAGES > 1 software-pipelines the walk (tl.range num_stages): the compiler
+    # issues the loads of the next STAGES - 1 steps (x, dy, mean, rstd, dresidual_out) as async
+    # copies into shared memory while this step is reduced, so HBM latency is hidden without
+    # more programs per SM. dweight/dbias sums: (BLOCK_N,) fp32 vectors for the whole walk, each
+    # step's (ROWS, BLOCK_N) products summed over its rows at once.
+    # RELOAD (rows too long for x, dy, weight and both sums in registers: N = 16384): the weight
+    # is read per step, and after the two row sums x and dy are read a second time (from L2 or
+    # the pipeline's shared memory, not HBM) instead of being held across the sums; only the
+    # dweight/dbias sums stay in registers for the walk.
+    # MASKED = ROWS > 1 or N < BLOCK_N; without it (one row a step, N a power of two) no load,
+    # store or select carries a mask (fewer registers: N = 16384 spills less).
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
-    row_start = pid * rows_per_prog
-    row_end = tl.minimum(row_start + rows_per_prog, M)
-    if HAS_W:
+    row_start = pid.to(tl.int64) * rows_per_prog  # int64 rows (the loop variable inherits it): row * N
+    row_end = tl.minimum(row_start + rows_per_prog, M)  # below is an int64 offset, for tensors over 2^31 elements
+    w = tl.zeros((BLOCK_N,), tl.float32)  # unused unless HAS_W and not RELOAD
+    if HAS_W and not RELOAD:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
-    db_acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
-    for r0 in range(row_start, row_end, ROWS):
+    dw_acc = tl.zeros((BLOCK_N,), tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), tl.float32)
+    offs = tl.arange(0, ROWS)[:, None] * N + cols[None, :]  # within a step: int32 (ROWS * N < 2^31)
+    for r0 in tl.range(row_start, row_end, ROWS, num_stages=STAGES):
         rows = r0 + tl.arange(0, ROWS)
         rmask = rows < row_end
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-        if IS_RMS:
-            xhat = x * rstd[:, None]
+        mask = rmask[:, None] & cmask[None, :]  # unused unless MASKED
+        base = r0 * N  # a scalar int64 row offset; the tiles' offsets stay int32 (64-bit offset tensors cost registers)
+        if MASKED:
+            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
         else:
-            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        if HAS_W:
-            g = dy * w[None, :]
-        else:
-            g = dy
-        c1 = tl.sum(g * xhat, axis=1) / N
-        if IS_RMS:
-            dx = (g - xhat * c1[:, None]) * rstd[:, None]
-        else:
-            c2 = tl.sum(g, axis=1) / N
-            dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
-        if HAS_DRO:
-            dx += tl.load(DRO + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_DRES:
-            tl.store(DRES + offs, dx.to(DRES.dtype.element_ty), mask=mask)
+            rstd = tl.load(RSTD + rows)
+        mean = rstd  # unused for RMSNorm
+        if not IS_RMS:
+            if MASKED:
+                mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+            else:
+                mean = tl.load(MEAN + rows)
+        dy, xhat, g = _bwd_tiles(X + base, DY + base, W, w, offs, cols, mask, cmask, mean, rstd, IS_RMS, HAS_W,
+                                 not RELOAD, "", MASKED)
         if WANT_DW:
-            dw_acc += dy * xhat
+            dw_acc += tl.sum(dy * xhat, axis=0)
         if WANT_DB:
-            db_acc += dy
+            db_acc += tl.sum(dy, axis=0)
+        c1 = tl.sum(g * xhat, axis=1) / N
+        if RELOAD:
+            # a second read of its own (evict_first: the row's last use), not merged with the first
+            dy, xhat, g = _bwd_tiles(X + base, DY + base, W, w, offs, cols, mask, cmask, mean, rstd, IS_RMS,
+                                     HAS_W, False, "evict_first", MASKED)
+        c2 = tl.zeros_like(c1)
+        if not IS_RMS:
+            c2 = tl.sum(g, axis=1) / N  # after the second read: fewer values live across c1's sum
+        dx = (g - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if MASKED:
+            if HAS_DRO:
+                dx += tl.load(DRO + base + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + base + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_DRES:
+                tl.store(DRES + base + offs, dx.to(DRES.dtype.element_ty), mask=mask)
+        else:
+            if HAS_DRO:
+                dx += tl.load(DRO + base + offs).to(tl.float32)
+            tl.store(DX + base + offs, dx.to(DX.dtype.element_ty))
+            if HAS_DRES:
+                tl.store(DRES + base + offs, dx.to(DRES.dtype.element_ty))
     if WANT_DW:
-        tl.store(DW_P + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
+        tl.store(DW_P + pid * N + cols, dw_acc, mask=cmask)
     if WANT_DB:
-        tl.store(DB_P + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
+        tl.store(DB_P + pid * N + cols, db_acc, mask=cmask)
 
 
 @triton.jit
 def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, N, rows_per_prog,
                             IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_DRO: tl.constexpr,
                             HAS_DRES: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+                            BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
     # Rows too long for registers: two passes per row over column chunks; the program's
-    # dweight/dbias sums live in its own partial row (only this program touches it).
+    # dweight/dbias sums live in its own partial row (only this program touches it). STAGES
+    # pipelines the first pass's chunk loads (read-only data); the second pass reads and writes
+    # the partial row, so it stays unpipelined (no async copy may read a slot before this
+    # thread's store to it).
     pid = tl.program_id(0)
     cols0 = tl.arange(0, BLOCK_N)
     row_start = pid.to(tl.int64) * rows_per_prog  # int64 rows: the loop variable inherits it
@@ -181,7 +250,7 @@ def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, 
             mean = tl.load(MEAN + row)
         a1 = tl.zeros((BLOCK_N,), tl.float32)
         a2 = tl.zeros((BLOCK_N,), tl.float32)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + cols0
             m = cols < N
             xhat = tl.where(m, (tl.load(X + base + cols, mask=m, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
@@ -230,20 +299,56 @@ def _col_sum_kernel(P, OUT, num_rows, N, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
 
 
 @functools.lru_cache(None)
-def _num_sms(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_props(device_index):
+    p = torch.cuda.get_device_properties(device_index)
+    return p.multi_processor_count, getattr(p, "shared_memory_per_block_optin", 0) or p.shared_memory_per_block
 
 
 def _sms(device):
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 2  # TRITON_INTERPRET=1 on CPU tensors
+    return _device_props(_index(device))[0] if device.type == "cuda" else 2  # TRITON_INTERPRET=1 on CPU tensors
 
 
-# Launch configurations from benchmarks/bench_layer_norm.py --sweep (H200, fp16 LayerNorm,
-# M*N = 2^27, launcher alone): forward best at ROWS=4/4 warps for N=768 (3.85 TB/s vs 3.46 with
-# ROWS=2), 1 row/4 warps at 2048 (4.08), 8 warps at 8192 (3.75), 16 warps at 16384 (3.83);
-# backward best at ROWS=2/4 warps/4 programs per SM for 768 (2.60), 1/4/4 at 2048 (2.95),
-# 1/16/1 at 8192 (2.86); at 16384 the register tile spills (0.46) and the looped kernel wins (1.03).
+def _smem_per_program(device):
+    return _device_props(_index(device))[1] if device.type == "cuda" else 1 << 30
+
+
+def _index(device):
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+# Launch configurations. Measured BEFORE the pipelined backward (benchmarks/bench_layer_norm.py
+# --sweep at d776080, H200, fp16 LayerNorm, M*N = 2^27, launcher alone; rows in
+# benchmarks/results/h200-layer_norm-sweep-2026-11-30.jsonl): forward best at ROWS=4/4 warps for
+# N=768 (3.85 TB/s vs 3.46 with ROWS=2), 1 row/4 warps at 2048 (4.08), 8 warps at 8192 (3.75),
+# 16 warps at 16384 (3.83); backward (rows loaded only when reached, (ROWS, BLOCK_N) sums) best
+# at ROWS=2/4 warps/4 programs per SM for 768 (2.60), 1/4/4 at 2048 (2.95), 1/16/1 at 8192
+# (2.86); at 16384 the register tile spilled (0.46) and the looped kernel won (1.03). The full
+# benchmark at a6d9463 measured that backward at 1.0-2.7 TB/s (bf16, N = 768..16384).
+#
+# UNMEASURED (written on a machine without a GPU): the pipelined backward's num_stages, the
+# N = 16384 RELOAD config and the pipelined looped kernel. Reasoning behind the defaults:
+# - ROWS / warps / programs per SM stay the measured best above (the pipeline adds loads in
+#   flight; it does not change what each step costs in registers: 96-116 per thread, no spills,
+#   triton 3.6 and 3.8 compiling for sm_90, bf16 with bf16 params).
+# - 3 stages: two steps' x/dy in flight per program besides the one being reduced. An H200
+#   needs about 25 KB of loads in flight per SM to cover HBM latency at full bandwidth (4.8 TB/s
+#   x ~0.7 us / 132 SMs); at 3 stages every N from 768 to 8192 keeps 48-64 KB in flight per SM
+#   (N=768: 4 programs x 2 rows x 2 steps x 3 KB of bf16 x and dy) in 64 KB of shared memory
+#   per SM; 2 stages give half of that, barely above the need.
+# - N = 16384 (RELOAD, 16 warps, 1 program per SM, 2 stages): 32 columns a thread, at most 128
+#   registers. x, dy, weight and both sums held in registers spill (244 bytes a thread with
+#   triton 3.6; 160 at 32 warps), so only the dweight/dbias sums stay and x/dy/weight are read
+#   again after the row sums: 0-4 bytes of spill at 16 warps for bf16 or fp32 params, LN or RMS
+#   (24-64 at 32 warps, the sweep's alternative). Its 2-stage buffers (x, dy, weight, second
+#   x/dy) take 160 KB of shared memory (192 KB with fp32 params): 3 stages do not fit.
+# AMPKERNELS_TRITON_NORM_BWD_STAGES=1 gives back the launch before this change (that table, no
+# pipelining, looped kernel at N = 16384) for A/B runs; =2 or =3 forces the stage count. (The
+# kernel body under =1 keeps this change's (BLOCK_N,) sums and unmasked power-of-two rows: same
+# registers or fewer; for ROWS > 1 the dweight/dbias sums add a step's rows first, so they are
+# not bitwise the old kernel's, though as repeatable. The launch is the old one.)
+_STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
+
+
 @functools.lru_cache(None)
 def _fwd_config(n):
     """(BLOCK_N, ROWS, num_warps): several rows per program up to 4096 elements for small N."""
@@ -254,14 +359,59 @@ def _fwd_config(n):
 
 
 @functools.lru_cache(None)
+def _bwd_stages_override():
+    """AMPKERNELS_TRITON_NORM_BWD_STAGES as an int (None when unset), read once."""
+    v = os.environ.get(_STAGES_ENV, "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"{_STAGES_ENV}={v!r}: expected a stage count >= 1 (1: the unpipelined backward)")
+    return int(v)
+
+
+@functools.lru_cache(None)
 def _bwd_config(n):
-    """(BLOCK_N, ROWS, num_warps, programs per SM, looped)."""
+    """(BLOCK_N, ROWS, num_warps, programs per SM, looped, num_stages) for rows of n elements.
+    The register kernel takes RELOAD when BLOCK_N > _MAX_BWD_BLOCK (see norm_bwd)."""
+    override = _bwd_stages_override()
     block = triton.next_power_of_2(n)
+    if override == 1:  # the launch before the pipelined backward
+        if block > _MAX_BWD_BLOCK:
+            return _looped_bwd_config()
+        rows = min(64, max(1, 2048 // block))
+        warps = 4 if block * rows <= 2048 else 8 if block <= 4096 else 16
+        return block, rows, warps, 16 // warps, False, 1
+    if block > _MAX_BWD_RELOAD_BLOCK:
+        return _looped_bwd_config()
     if block > _MAX_BWD_BLOCK:
-        return _LOOP_BLOCK, 1, 16, 1, True
+        return block, 1, 16, 1, False, min(override or 2, 2)
     rows = min(64, max(1, 2048 // block))
     warps = 4 if block * rows <= 2048 else 8 if block <= 4096 else 16
-    return block, rows, warps, 16 // warps, False
+    return block, rows, warps, 16 // warps, False, override or 3
+
+
+def _looped_bwd_config():
+    return _LOOP_BLOCK, 1, 16, 1, True, _bwd_stages_override() or 3
+
+
+def _bwd_fit(cfg, smem, x, dy, weight, dresidual_out):
+    """cfg with num_stages lowered until the pipeline's shared-memory buffers fit smem bytes per
+    program (fp32 x, fp32 params or dresidual_out on long rows); a RELOAD config that cannot
+    keep its 2 stages takes the looped kernel instead. Depends only on shape, dtypes and GPU."""
+    block, rows, warps, per_sm, looped, stages = cfg
+    reload = not looped and block > _MAX_BWD_BLOCK
+    xdy = x.element_size() + dy.element_size()
+    w = weight.element_size() if weight is not None else 0
+    if looped:  # the first pass's chunk loads
+        per_stage = block * (xdy + w)
+    else:
+        dro = dresidual_out.element_size() if dresidual_out is not None else 0
+        per_stage = block * rows * (xdy + dro) + 8 * rows + (block * (xdy + w) if reload else 0)
+    while stages > 1 and (stages - 1) * per_stage + _SMEM_MARGIN > smem:
+        stages -= 1
+    if reload and stages < min(cfg[5], 2):
+        return _bwd_fit(_looped_bwd_config(), smem, x, dy, weight, None)
+    return block, rows, warps, per_sm, looped, stages
 
 
 def _check_2d(x, name):
@@ -310,7 +460,8 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
     db = torch.empty(N if want_dbias else 0, dtype=param_dtype, device=x.device)
     if M == 0 or N == 0:
         return dx, dres, dw.zero_(), db.zero_()
-    block, rows, warps, per_sm, looped = _bwd_config(N)
+    block, rows, warps, per_sm, looped, stages = _bwd_fit(_bwd_config(N), _smem_per_program(x.device), x, dy, weight,
+                                                          dresidual_out)
     progs = min(triton.cdiv(M, rows), _sms(x.device) * per_sm)
     rows_per_prog = triton.cdiv(triton.cdiv(M, progs), rows) * rows
     progs = triton.cdiv(M, rows_per_prog)
@@ -324,9 +475,10 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
                  HAS_DRES=dres.numel() > 0, WANT_DW=want_dweight, WANT_DB=want_dbias)
     with on_device(x):
         if looped:
-            _norm_bwd_looped_kernel[(progs,)](*args, **flags, BLOCK_N=block, num_warps=warps)
+            _norm_bwd_looped_kernel[(progs,)](*args, **flags, BLOCK_N=block, STAGES=stages, num_warps=warps)
         else:
-            _norm_bwd_kernel[(progs,)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
+            _norm_bwd_kernel[(progs,)](*args, **flags, BLOCK_N=block, ROWS=rows, STAGES=stages,
+                                       RELOAD=block > _MAX_BWD_BLOCK, MASKED=rows > 1 or block != N, num_warps=warps)
         for p, out in ((dw_p, dw), (db_p, db)):
             if out.numel():
                 _col_sum_kernel[(triton.cdiv(N, 128),)](p, out, progs, N, BLOCK_R=16, BLOCK_C=128, num_warps=4)
