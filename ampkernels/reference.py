@@ -85,6 +85,37 @@ def bias_act_backward(dy, pre, activation, dbias_dtype=None):
     return dz, dbias
 
 
+# Block-wise forms of the two elementwise passes above, for the torch paths of the ops (the
+# CPU stand-in for the kernels): same bits, but the fp32 temporaries are one block of rows,
+# not a second and third copy of a hidden-sized tensor, so that what a step allocates on CPU
+# is what the kernels allocate on the GPU (just the output).
+
+def row_blocks(t):
+    """Row ranges of a 2-D tensor for a block-wise elementwise pass: ~2^14 elements a block on
+    CPU (the loop costs nothing there), 2^22 on a GPU (a block is a few kernel launches)."""
+    rows, cols = t.shape
+    per = max(1, (1 << (14 if t.device.type == "cpu" else 22)) // max(cols, 1))
+    return [(s, min(s + per, rows)) for s in range(0, rows, per)]
+
+
+def bias_act_into(z, bias, activation, y, pre=None):
+    """bias_act(z, bias, activation) written into y (and pre, when given), block by block."""
+    for s, e in row_blocks(z):
+        yb, pb = bias_act(z[s:e], bias, activation)
+        y[s:e].copy_(yb)
+        if pre is not None:
+            pre[s:e].copy_(pb)
+    return y
+
+
+def act_backward_into(dy, pre, activation, out):
+    """out = dy * act'(pre) (bias_act_backward's dz, in out's dtype), block by block. out may
+    be dy itself: each block of dy is read before it is written."""
+    for s, e in row_blocks(dy):
+        out[s:e].copy_(bias_act_backward(dy[s:e], pre[s:e], activation)[0])
+    return out
+
+
 def norm_forward(x, weight, bias, eps, *, residual=None, residual_in_fp32=False, out_dtype=None, is_rms=False):
     """The 2-D core of layer_norm / rms_norm over the last dim.
 

@@ -31,10 +31,11 @@ namespace {
 
 // dz = dy * act'(saved), elementwise over a flat array. One thread owns kVec consecutive
 // elements (16-byte loads and stores when every pointer is 16-byte aligned and numel is a
-// multiple of the vector, which the fused path guarantees; else one element).
+// multiple of the vector, which the fused path guarantees; else one element). dz may be dy
+// (in place, act_backward_cuda_): each thread loads its elements before it stores them, and
+// dy/dz carry no __restrict__ so the compiler is not told otherwise.
 template <typename T, Activation A, int kVec>
-__global__ void act_backward_kernel(const T* __restrict__ dy, const T* __restrict__ saved, T* __restrict__ dz,
-                                    int64_t numel) {
+__global__ void act_backward_kernel(const T* dy, const T* __restrict__ saved, T* dz, int64_t numel) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x * kVec;
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec; i < numel; i += stride) {
     T g[kVec], s[kVec];

@@ -507,6 +507,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& 
   return {dx, dw, db};
 }
 
+// dy *= act'(saved), in place: for a caller that owns dy (fused_mlp's backward, on its dh
+// temporary), so the act' pass needs no second hidden-sized buffer. linear_act_bwd above
+// writes a new dz instead: its dy is autograd's gradient, which others may still read.
+void act_backward_inplace(const at::Tensor& dy, const at::Tensor& saved, int64_t activation) {
+  constexpr const char* op = "act_backward_cuda_";
+  check_cuda(dy, op, "dy");
+  check_same_device(saved, dy, op, "saved", "dy");
+  check_contiguous(dy, op, "dy");
+  check_contiguous(saved, op, "saved");
+  TORCH_CHECK(dy.scalar_type() == at::kHalf || dy.scalar_type() == at::kBFloat16, op,
+              ": dy must be float16 or bfloat16, got ", dy.scalar_type());
+  TORCH_CHECK(saved.sizes() == dy.sizes() && saved.scalar_type() == dy.scalar_type(), op,
+              ": saved must match dy (", dy.sizes(), ", ", dy.scalar_type(), "), got ", saved.sizes(), ", ",
+              saved.scalar_type());
+  const Activation act = to_activation(activation, op);
+  const DType dtype = to_dtype(dy.scalar_type(), op, "dy");
+  const c10::cuda::CUDAGuard guard(dy.device());
+  AMPK_CHECK_CUDA(act_backward(dy.data_ptr(), saved.data_ptr(), dy.data_ptr(), dy.numel(), dtype, act, num_sms(),
+                               at::cuda::getCurrentCUDAStream()));
+}
+
 int64_t linear_act_lt_plans() { return int64_t(lt_cached_plans()); }
 
 TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
@@ -515,10 +536,12 @@ TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
   m.def("linear_act_bwd_cuda(Tensor dy, Tensor x, Tensor weight, Tensor saved, int activation, bool need_dx,"
         " bool need_dw, bool need_db, bool fuse) -> (Tensor dx, Tensor dweight, Tensor dbias)");
   m.def("linear_act_lt_plans_cuda() -> int", &linear_act_lt_plans);
+  m.def("act_backward_cuda_(Tensor(a!) dy, Tensor saved, int activation) -> ()");
 }
 TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
   m.impl("linear_act_fwd_cuda", &linear_act_fwd);
   m.impl("linear_act_bwd_cuda", &linear_act_bwd);
+  m.impl("act_backward_cuda_", &act_backward_inplace);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 """The kernels of both op families, forward and backward, on odd and boundary shapes, for
 compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short.
 
-    [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms linear_act"] \
+    [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms linear_act [mlp]"] \
         python scripts/sanitize_cases.py [cuda] [triton] [torch]
 
 Every output is also checked against the reference (a wrong result exits non-zero), so an
@@ -62,6 +62,20 @@ def linear_act_cases(backend, dtype, tol):
                 y.float().sum().backward()
 
 
+def mlp_cases(backend, dtype, tol):
+    # fused_mlp's backward applies act' in place on its own dh (act_backward_cuda_, Triton out=dy)
+    from ampkernels.ops.mlp import FusedMLPFunction
+    for (m, k, h) in ((1, 16, 40), (33, 13, 8), (70, 64, 200)):
+        for activation in ampkernels.ACTIVATIONS:
+            t = lambda *s: (0.5 * torch.randn(*s, device=dev)).to(dtype).requires_grad_()  # noqa: E731
+            x, w1, b1, w2, b2 = t(m, k), t(h, k), t(h), t(k, h), t(k)
+            out = FusedMLPFunction.apply(x, w1, b1, w2, b2, activation, backend)
+            d = [v.detach() for v in (x, w1, b1, w2, b2)]
+            want = reference.linear_act(reference.linear_act(*d[:3], activation), d[3], d[4], "identity")
+            check(f"{backend} fused_mlp {activation} {dtype} {m}x{k}x{h}", out, want, 4 * tol)
+            out.float().sum().backward()
+
+
 def main(backends):
     torch.manual_seed(0)
     ops = os.environ.get("SANITIZER_OPS", "norms linear_act").split()
@@ -72,6 +86,8 @@ def main(backends):
                 norm_cases(backend, dtype, tol)
             if "linear_act" in ops:
                 linear_act_cases(backend, dtype, tol)
+            if "mlp" in ops:
+                mlp_cases(backend, dtype, tol)
         if dev == "cuda":
             torch.cuda.synchronize()
         print(f"sanitize cases done: {backend}", flush=True)

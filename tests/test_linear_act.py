@@ -363,7 +363,8 @@ needs_ext = pytest.mark.skipif(not _extension.load(), reason=f"extension not bui
 
 
 @needs_ext
-@pytest.mark.parametrize("name", ["linear_act_fwd_cuda", "linear_act_bwd_cuda", "linear_act_lt_plans_cuda"])
+@pytest.mark.parametrize("name", ["linear_act_fwd_cuda", "linear_act_bwd_cuda", "linear_act_lt_plans_cuda",
+                                  "act_backward_cuda_"])
 def test_extension_schemas(name):
     assert getattr(torch.ops.ampkernels, name).default._schema.name == f"ampkernels::{name}"
 
@@ -375,6 +376,8 @@ def test_extension_cpu_tensor_is_a_clear_error():
         torch.ops.ampkernels.linear_act_fwd_cuda(x, w, b, 2, False, True)
     with pytest.raises(RuntimeError, match="linear_act_bwd_cuda: x must be a CUDA tensor"):
         torch.ops.ampkernels.linear_act_bwd_cuda(x @ w.T, x, w, x @ w.T, 2, True, True, True, True)
+    with pytest.raises(RuntimeError, match="act_backward_cuda_: dy must be a CUDA tensor"):
+        torch.ops.ampkernels.act_backward_cuda_(x @ w.T, x @ w.T, 2)
 
 
 def test_benchmark_runs_and_reports(monkeypatch, tmp_path):

@@ -4,8 +4,10 @@ import torch
 import torch.nn.functional as F
 
 from ampkernels import reference
+from ampkernels.ops.linear_act import _act_backward_
 from ampkernels.ops.mlp import FusedMLPFunction, fused_mlp
-from tests.utils import assert_rel_close
+from tests import memory
+from tests.utils import assert_rel_close, randn
 
 
 def _inputs(m, k, h, n, dtype=torch.float32, device="cpu", bias=True):
@@ -64,6 +66,156 @@ def test_functional_validates_shapes_and_falls_back():
         fused_mlp(x, w1, b1, w2.t(), b2)
     out = fused_mlp(x.double(), w1.double(), b1.double(), w2.double(), b2.double(), "relu")  # fp64: eager path
     assert out.dtype == torch.float64 and out.shape == (4, 8)
+
+
+# ---------------------------------------------------------------- CPU tier: the eager block, grads
+
+def _eager_in_dtype(x, w1, b1, w2, b2, activation):
+    """The block FusedMLP replaces, in the inputs' own dtype (as it runs under autocast)."""
+    d = lambda v: None if v is None else v.detach().clone().requires_grad_()  # noqa: E731
+    args = [d(v) for v in (x, w1, b1, w2, b2)]
+    return F.linear(reference.act_fwd(F.linear(args[0], args[1], args[2]), activation), args[3], args[4]), args
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+def test_torch_path_matches_eager_block_cpu(activation, dtype):
+    """Forward bit for bit (the torch path computes h as eager does); every gradient against
+    float64 and against the eager block in the same dtype; dout left as the caller gave it."""
+    x, w1, b1, w2, b2 = _inputs(96, 48, 136, 40, dtype)
+    out = FusedMLPFunction.apply(x, w1, b1, w2, b2, activation, "torch")
+    eager, eager_args = _eager_in_dtype(x, w1, b1, w2, b2, activation)
+    ref, ref_args = _eager64(x, w1, b1, w2, b2, activation)
+    assert torch.equal(out, eager)
+    dy = randn(*out.shape, dtype=dtype)
+    dy_before = dy.clone()
+    out.backward(dy)
+    eager.backward(dy)
+    ref.backward(dy.double())
+    assert torch.equal(dy, dy_before), "backward wrote into the incoming gradient"
+    factor = 10 if dtype == torch.float32 else 4
+    for name, ours, theirs, r in zip(("dx", "dw1", "db1", "dw2", "db2"), (x, w1, b1, w2, b2), eager_args, ref_args):
+        assert ours.grad.dtype == dtype
+        assert_rel_close(ours.grad, r.grad, dtype, factor=factor, what=f"{name} vs float64")
+        assert_rel_close(ours.grad, theirs.grad.double(), dtype, factor=factor, what=f"{name} vs eager")
+
+
+def test_retain_graph_backward_twice_cpu():
+    """The in-place act' pass works on backward's own temporary, never on the saved pre: a
+    second backward through the same graph gives the same gradients."""
+    x, w1, b1, w2, b2 = _inputs(64, 32, 128, 32, torch.bfloat16)
+    out = FusedMLPFunction.apply(x, w1, b1, w2, b2, "gelu_tanh", "torch")
+    dy = randn(*out.shape, dtype=torch.bfloat16)
+    out.backward(dy, retain_graph=True)
+    first = [t.grad.clone() for t in (x, w1, b1, w2, b2)]
+    for t in (x, w1, b1, w2, b2):
+        t.grad = None
+    out.backward(dy)
+    for a, t in zip(first, (x, w1, b1, w2, b2)):
+        assert torch.equal(a, t.grad)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + ([] if torch.cuda.is_available() else ["triton"]))
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+def test_act_backward_in_place_cpu(backend, activation):
+    """dy *= act'(pre) in place, equal to the out-of-place pass, with fp32 column sums."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    dy, pre = randn(45, 70, dtype=torch.float16), randn(45, 70, dtype=torch.float16, scale=2)
+    want, _ = reference.bias_act_backward(dy, pre, activation)
+    buf = dy.clone()
+    db = _act_backward_(buf, pre, activation, True, backend)
+    assert_rel_close(buf, want.double(), torch.float16, what="dz")
+    assert db.dtype == torch.float32
+    assert_rel_close(db, buf.double().sum(0), torch.float32, what="dbias")
+
+
+# ---------------------------------------------------------------- CPU tier: peak memory (tests/memory.py)
+
+# T/H = 16 as in the GPU target (T=16384, H=1024): the weights are 1/4 of one (T, H) activation,
+# in the same proportion. U = T*H*2 bytes; the hidden-sized tensors are 4U.
+_T, _H = 2048, 128
+
+
+def _peak_units(kind, **kw):
+    step, unit = memory.mlp_block_step(kind, _T, _H, **kw)
+    mem = memory.step_peak(step)
+    return mem.peak / unit, mem
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+def test_fused_mlp_backward_peak_cpu(activation):
+    """The MLP alone, backward from a given gradient: eager keeps pre and h and forms dh beside
+    them (3 hidden-sized tensors, 4U each, + out, weight casts: 13.75U). FusedMLP keeps pre and
+    at most one more hidden-sized tensor (h while dw2 is formed, then dh, act' applied in place),
+    + out, dx, the weight casts and grads: 11U. Before the backward was reordered (a6d9463) it
+    held pre, h and dh at once."""
+    eager, _ = _peak_units("mlp-eager", activation=activation)
+    fused, mem = _peak_units("mlp-fused", activation=activation)
+    detail = "\n".join(mem.breakdown(2 * _T * _H, "U"))
+    assert fused <= 11.25, f"FusedMLP peak {fused:.2f}U > 2 hidden-sized tensors + 3.25U\n{detail}"
+    assert fused <= 0.82 * eager, f"FusedMLP peak {fused:.2f}U > 0.82 x eager {eager:.2f}U\n{detail}"
+
+
+def test_block_peak_cpu():
+    """The pre-LN block y = x + MLP(LN(x)), loss mean(y^2), as the benchmark trains it, with a
+    LayerNorm allocating what the GPU norm kernels allocate. Eager peaks in the loss's backward
+    (pre + h + fp32 y, its gradient and pow's temporaries: 19.5U); ours in the MLP's backward
+    (pre + dh + the same fp32 tensors: 16U). Any design that keeps pre and the norm's output
+    floors at ~15.5U / 19.5U = 0.79 under this loss (see tests/memory.py's report)."""
+    eager, _ = _peak_units("eager")
+    fused, mem = _peak_units("fused", ln="kernel")
+    detail = "\n".join(mem.breakdown(2 * _T * _H, "U"))
+    assert fused <= 0.84 * eager, f"block peak {fused:.2f}U > 0.84 x eager {eager:.2f}U\n{detail}"
+
+
+# ---------------------------------------------------------------- GPU tier
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_block_peak_memory_gpu(dtype):
+    """The benchmark's block at its target shape (T=16384, H=1024): eager AMP vs nn.LayerNorm
+    (out_dtype="autocast") + nn.FusedMLP, torch.cuda's peak over one step. At a6d9463
+    bench_mlp measured 728 / 672 MiB (bf16; its rows minus do_bench's 256 MiB flush buffer):
+    0.92. The reorder takes one 128 MiB hidden-sized tensor off our peak (CPU model,
+    `python -m tests.memory`: 20U -> 16U, + 1U cuBLASLt workspace on the GPU, U = 32 MiB):
+    predicted 544 / 728 = 0.75. Bound 0.80 leaves room for what the CPU model cannot see;
+    the DESIGN target (<= 0.75) is checked by the benchmark."""
+    peaks = {kind: memory.cuda_step_peak(memory.mlp_block_step(kind, 16384, 1024, dtype, device="cuda")[0])
+             for kind in ("eager", "fused")}
+    ratio = peaks["fused"] / peaks["eager"]
+    print(f"block peak {dtype}: eager {peaks['eager'] / 2**20:.1f} MiB, fused {peaks['fused'] / 2**20:.1f} MiB, "
+          f"ratio {ratio:.3f}")
+    assert ratio <= 0.80, f"fused block peak = {ratio:.3f} x eager ({peaks})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_mlp_peak_memory_gpu(backend):
+    """The MLP alone (bf16 input, backward from a given gradient), T=16384, H=1024: CPU model
+    11U vs eager 13.75U (0.80), + 1U for the cuBLASLt workspace (32 MiB, allocated per GEMM call
+    by csrc/ops.cpp try_lt) live at our peak: 0.87. Bound 0.88."""
+    peaks = {kind: memory.cuda_step_peak(memory.mlp_block_step(kind, 16384, 1024, torch.bfloat16, backend=backend,
+                                                               device="cuda")[0])
+             for kind in ("mlp-eager", "mlp-fused")}
+    ratio = peaks["mlp-fused"] / peaks["mlp-eager"]
+    print(f"MLP peak {backend}: eager {peaks['mlp-eager'] / 2**20:.1f} MiB, fused {peaks['mlp-fused'] / 2**20:.1f} "
+          f"MiB, ratio {ratio:.3f}")
+    assert ratio <= 0.88, f"fused MLP peak = {ratio:.3f} x eager ({peaks})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+def test_act_backward_in_place_gpu(activation):
+    for backend in ("cuda", "triton"):
+        for shape in ((300, 520), (37, 517)):  # 37 x 517: numel not a multiple of 8, the one-element kernel
+            dy = randn(*shape, dtype=torch.bfloat16, device="cuda")
+            pre = randn(*shape, dtype=torch.bfloat16, device="cuda", scale=2)
+            want, _ = reference.bias_act_backward(dy, pre, activation)
+            buf = dy.clone()
+            db = _act_backward_(buf, pre, activation, True, backend)
+            assert_rel_close(buf, want.double(), torch.bfloat16, what=f"{backend} dz {shape}")
+            assert_rel_close(db, buf.double().sum(0), torch.float32, what=f"{backend} dbias {shape}")
 
 
 @pytest.mark.gpu

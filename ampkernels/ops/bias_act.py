@@ -19,8 +19,11 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _fwd_impl(z, bias, activation, store_pre, backend):
     if backend == "cuda":
         return torch.ops.ampkernels.bias_act_fwd_cuda(z, bias, reference.activation_id(activation), store_pre)
-    y, pre = reference.bias_act(z, bias, activation)
-    return y, pre if store_pre else z.new_empty(0)
+    # block-wise: allocates y (and pre) only, as the kernel does (fused_mlp's backward recomputes
+    # its hidden activation here, beside the saved pre-activation)
+    y, pre = torch.empty_like(z), torch.empty_like(z) if store_pre else z.new_empty(0)
+    reference.bias_act_into(z, bias, activation, y, pre if store_pre else None)
+    return y, pre
 
 
 @torch.library.custom_op("ampkernels::bias_act_fwd", mutates_args=())

@@ -86,7 +86,9 @@ def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backe
         dz, db32 = tk.linear_act_dz(dy, saved, act, need_db)
     else:
         ct = torch.float32 if dy.dtype in _KERNEL_DTYPES else dy.dtype
-        dz = dy if activation == "identity" else (dy.to(ct) * reference.act_grad(saved.to(ct), activation)).to(dy.dtype)
+        # dy is autograd's gradient, which other nodes may read: dz gets its own tensor
+        dz = dy if activation == "identity" else reference.act_backward_into(dy, saved, activation,
+                                                                             torch.empty_like(dy))
         db32 = dz.sum(0, dtype=ct) if need_db else None
     empty = dy.new_empty(0)
     # no autocast guard needed: dz, weight and x share the compute dtype, which the functional
@@ -95,6 +97,22 @@ def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backe
     dw = dz.t().mm(x) if need_dw else empty.clone()
     db = db32.to(dy.dtype) if need_db else empty.clone()
     return dx, dw, db
+
+
+def _act_backward_(dy, saved, activation, need_db, backend):
+    """dy *= act'(saved), IN PLACE, and the fp32 column sums of the result (None unless need_db).
+
+    For callers that own dy (fused_mlp's backward, on its dh temporary): the act' pass then
+    needs no second hidden-sized buffer. linear_act's own backward never calls it: there dy is
+    autograd's gradient, which the user or other nodes may still read."""
+    if backend == "cuda":
+        torch.ops.ampkernels.act_backward_cuda_(dy, saved, reference.activation_id(activation))
+    elif backend == "triton":
+        from ..triton import linear_act as tk
+        return tk.linear_act_dz(dy, saved, reference.activation_id(activation), need_db, out=dy)[1]
+    else:
+        reference.act_backward_into(dy, saved, activation, dy)
+    return dy.sum(0, dtype=torch.float32) if need_db else None
 
 
 @torch.library.custom_op("ampkernels::linear_act_bwd", mutates_args=())

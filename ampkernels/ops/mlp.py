@@ -7,10 +7,12 @@ elementwise pass. Eager Linear -> act -> Linear keeps both (two hidden-sized ten
 
 Eager calls run the implementations directly; torch.compile and opcheck see the custom ops
 (linear_act's _eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
-storing the pre-activation, then a GEMM + bias. Backward: h recomputed by the bias_act
-kernel, then linear_act's backward for each layer (act' applied to dh on the fly, bias
-gradients accumulated in fp32). Pieces in data order: custom ops
-(forward, backward) with fakes -> autograd Function -> functional API.
+storing the pre-activation, then a GEMM + bias. Backward, ordered so that at most two
+hidden-sized tensors are alive (pre and one more): h recomputed by the bias_act kernel, dw2
+(+ db2) from it, h freed; dh = dout W2 with act'(pre) applied to it in place (dh is the
+backward's own temporary); then layer 1's GEMMs (bias gradients accumulated in fp32).
+tests/memory.py measures this on CPU (`python -m tests.memory`). Pieces in data order:
+custom ops (forward, backward) with fakes -> autograd Function -> functional API.
 
 Tried and dropped: dz1 = gelu'(pre) * (dout @ w2) and db1 from one cuBLASLt GEMM with the
 DGELU_BGRAD epilogue (37aa7bb..005ac1a, reverted). On the H200 (bf16, T=16384, H=1024) cuBLASLt
@@ -25,8 +27,8 @@ from torch import Tensor
 
 from .. import backends, reference
 from .bias_act import _fwd_impl as _bias_act_fwd
+from .linear_act import _act_backward_, _eager_call
 from .linear_act import _bwd_impl as _la_bwd
-from .linear_act import _eager_call
 from .linear_act import _fwd_impl as _la_fwd
 
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -39,13 +41,23 @@ def _fwd_impl(x, w1, b1, w2, b2, activation, backend):
 
 
 def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
-    # recompute the post-activation: the one elementwise pass that saves a hidden-sized tensor
+    # At most two hidden-sized tensors alive: pre (saved) and one of h, dh/dz, in this order.
+    # 1. layer 2's weight (and bias) gradient from the recomputed post-activation h, which is
+    #    freed before dh exists (cuda: the bias gradient fused into the weight-gradient GEMM)
     h, _ = _bias_act_fwd(pre, None, activation, False, "cuda" if backend == "cuda" else "torch")
-    # second layer (identity), then the first with act' applied to dh on the fly: linear_act's
-    # backward (cuda: bias gradient fused into the weight-gradient GEMM)
-    dh, dw2, db2 = _la_bwd(dout, h, w2, None, "identity", True, True, b2_dtype is not None, backend)
+    _, dw2, db2 = _la_bwd(dout, h, w2, None, "identity", False, True, b2_dtype is not None, backend)
     del h
-    dx, dw1, db1 = _la_bwd(dh, x, w1, pre, activation, True, True, b1_dtype is not None, backend)
+    # 2. dh = dout W2, then dz = dh * act'(pre) IN PLACE: dh is this function's own temporary
+    #    (never visible outside), so the act' pass needs no third hidden-sized buffer. Triton
+    #    sums db1 in the same pass; cuda fuses it into the dw1 GEMM below; torch sums dz.
+    dh = dout.mm(w2)
+    db1_in_dz_pass = backend == "triton" and b1_dtype is not None
+    db1_32 = _act_backward_(dh, pre, activation, db1_in_dz_pass, backend)
+    # 3. layer 1 with act' already applied: an identity linear_act backward on dz
+    dx, dw1, db1 = _la_bwd(dh, x, w1, None, "identity", True, True, b1_dtype is not None and not db1_in_dz_pass,
+                           backend)
+    if db1_in_dz_pass:
+        db1 = db1_32.to(dh.dtype)
     return dx, dw1, db1, dw2, db2
 
 

@@ -344,10 +344,13 @@ def _linear_act_dz_kernel(dy_ptr, s_ptr, dz_ptr, part_ptr, M, N, ACT: tl.constex
         tl.store(part_ptr + pid_m * N + offs_n, col, mask=offs_n < N)
 
 
-def linear_act_dz(dy, saved, act_id, want_dbias):
-    """(dz, dbias_fp32 or None): dz = dy * act'(saved) in dy's dtype; dbias = column sums in fp32."""
+def linear_act_dz(dy, saved, act_id, want_dbias, out=None):
+    """(dz, dbias_fp32 or None): dz = dy * act'(saved) in dy's dtype; dbias = column sums in fp32.
+
+    out: where dz goes (a new tensor when None); it may be dy itself, for callers that own dy:
+    each program loads its tile of dy before it stores the same tile of dz."""
     M, N = dy.shape
-    dz = torch.empty_like(dy)
+    dz = torch.empty_like(dy) if out is None else out
     if M == 0 or N == 0:
         return dz, (torch.zeros(N, dtype=torch.float32, device=dy.device) if want_dbias else None)
     # 64 x 128 tiles, 16 rows at a time: 16-byte vectors along N, 16 elements per thread, and
