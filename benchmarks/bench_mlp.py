@@ -16,7 +16,7 @@ import copy
 
 import torch
 
-from .common import bench, guard, progress, standalone_main
+from .common import bench, cuda_step_peak, guard, progress, standalone_main
 
 SHAPES = [(16384, 1024), (8192, 4096)]
 
@@ -76,16 +76,8 @@ def _step_time(recorder, name, block, eager, dtype, tokens, hidden, quick):
             y = x + f(x)
         y.float().square().mean().backward()
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    peak = cuda_step_peak(step, warmup=3) / 2**20
     base = torch.cuda.memory_allocated()
-    # memory from one untimed step: across do_bench, its 256 MiB L2-flush buffer would be the
-    # peak's largest "activation"
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
         y = x + f(x)
     held = (torch.cuda.memory_allocated() - base) / 2**20  # saved for backward, + y itself

@@ -41,6 +41,20 @@ def environment():
     return env
 
 
+def cuda_step_peak(step, warmup=2):
+    """Bytes: torch.cuda.max_memory_allocated during one untimed step minus memory_allocated
+    before it, after warm-up steps (so .grad tensors exist). Taken outside do_bench, whose
+    256 MiB L2-flush buffer would otherwise be the peak's largest "activation"."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def bench(fn, *, warmup=25, rep=100, grad_to_none=None):
     """(median, p20, p80) milliseconds. GPU: triton.testing.do_bench (L2 flushed between
     runs). CPU: wall clock of a few calls -- says nothing about GPU speed."""

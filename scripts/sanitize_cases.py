@@ -67,7 +67,7 @@ def mlp_cases(backend, dtype, tol):
     from ampkernels.ops.mlp import FusedMLPFunction
     for (m, k, h) in ((1, 16, 40), (33, 13, 8), (70, 64, 200)):
         for activation in ampkernels.ACTIVATIONS:
-            t = lambda *s: (0.5 * torch.randn(*s, device=dev)).to(dtype).requires_grad_()  # noqa: E731
+            t = lambda *s: (0.5 * torch.randn(*s, device=dev)).to(dtype).requires_grad_()
             x, w1, b1, w2, b2 = t(m, k), t(h, k), t(h), t(k, h), t(k)
             out = FusedMLPFunction.apply(x, w1, b1, w2, b2, activation, backend)
             d = [v.detach() for v in (x, w1, b1, w2, b2)]

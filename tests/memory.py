@@ -28,6 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from benchmarks.common import cuda_step_peak
+
 
 @dataclass
 class Entry:
@@ -91,7 +93,7 @@ class StorageTracker(TorchDispatchMode):
     def breakdown(self, unit=None, unit_name="B", top=None):
         """Lines: the peak, then every storage alive at it, largest first (in `unit` bytes)."""
         unit = unit or 1
-        fmt = lambda b: f"{b / unit:8.2f} {unit_name}"  # noqa: E731
+        fmt = lambda b: f"{b / unit:8.2f} {unit_name}"
         lines = [f"peak {fmt(self.peak)}  (reached at {self.peak_op})"]
         for e in self.at_peak[:top]:
             lines.append(f"  {fmt(e.nbytes)}  {e.label()}")
@@ -192,11 +194,11 @@ def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_
             block.to(dev)
         elif ln == "kernel":
             ln_ = eager[0]
-            block = lambda x: fused_mlp(KernelLikeLayerNorm.apply(x, ln_.weight, ln_.bias, ln_.eps, dtype))  # noqa: E731
+            block = lambda x: fused_mlp(KernelLikeLayerNorm.apply(x, ln_.weight, ln_.bias, ln_.eps, dtype))
         elif ln == "torch":
             norm = aknn.LayerNorm(hidden, out_dtype="autocast", backend="torch")
             norm.load_state_dict(eager[0].state_dict())
-            block = lambda x: fused_mlp(norm(x))  # noqa: E731
+            block = lambda x: fused_mlp(norm(x))
         else:
             raise ValueError(f"ln must be 'kernel' or 'torch', got {ln!r}")
 
@@ -216,20 +218,6 @@ def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_
     else:
         raise ValueError(f"unknown kind {kind!r}")
     return step, tokens * hidden * torch.empty(0, dtype=dtype).element_size()
-
-
-def cuda_step_peak(step, warmup=2):
-    """torch.cuda.max_memory_allocated during one step minus memory_allocated before it, after
-    warm-up steps (so .grad tensors exist): benchmarks/bench_mlp.py's peak_extra_MiB, in bytes.
-    Unlike StorageTracker it sees everything (cuBLAS(Lt) workspaces, the extension's buffers)."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def _main():
