@@ -1338,50 +1338,64 @@ struct PipeConfig {
 // AMPKERNELS_NORM_BWD_PIPE, read once, for measuring: "0" turns the pipelined backward off (the
 // other kernels take every call: old and new side by side from one build), "2", "3" or "4"
 // forces its kIters (where that fits; else the other kernels). Unset or anything else: the model.
-int pipe_iters_override() {
-  static const int v = [] {
-    const char* s = std::getenv("AMPKERNELS_NORM_BWD_PIPE");
-    if (s == nullptr || s[0] == 0 || s[1] != 0 || !(s[0] == '0' || (s[0] >= '2' && s[0] <= '4'))) return -1;
-    return s[0] - '0';
-  }();
-  return v;
+// An AMPKERNELS_NORM_*_PIPE variable: -1 unset or not one of "0", "lo".."4"; else its digit.
+int pipe_env_override(const char* name, int lo) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || s[0] == 0 || s[1] != 0 || !(s[0] == '0' || (s[0] >= '0' + lo && s[0] <= '4'))) return -1;
+  return s[0] - '0';
 }
 
-cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
+// The pipelined kernels' shape search, forward and backward: kIters in lo..4 (only `forced` when
+// > 0), each with its group (whole warps, or a power of two below 32) and block of whole rows,
+// where smem_bytes(iters, threads) + static_smem fits; the best by the model
+// (owned slots / all slots) x (resident threads); ties: fewer kIters, or more when
+// more_iters_on_ties. out->iters == 0: none fits. *optin: the GPU's opt-in shared memory per block.
+template <typename SmemBytes>
+cudaError_t pick_pipe_config(int64_t nvec, int lo, int forced, bool more_iters_on_ties, size_t static_smem,
+                             SmemBytes smem_bytes, PipeConfig* out, int* optin) {
   *out = PipeConfig{0, 0, 0, 0, 0};
-  const int forced = pipe_iters_override();
-  if (forced == 0) return cudaSuccess;
-  if (a.x_dtype == DType::kFloat32 || bwd_vec(a) != kPipeVec) return cudaSuccess;
-  if (a.dx_dtype != a.x_dtype || a.dresidual != nullptr) return cudaSuccess;
-  if (a.dresidual_out != nullptr && a.dresidual_out_dtype != a.x_dtype) return cudaSuccess;
-  int device = 0, optin = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
+  int device = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
   if (err != cudaSuccess) return err;
-  const int64_t nvec = a.cols / kPipeVec;
-  PipeConfig best{0, 0, 0, 0, 0};
   int64_t best_num = 0, best_den = 1;  // the model's value, best_num / best_den
-  for (int iters = 2; iters <= 4; ++iters) {
+  for (int iters = lo; iters <= 4; ++iters) {
     const int64_t per = ceil_div(nvec, iters);
-    const int64_t group = per <= 32 ? next_pow2(per) : ceil_div(per, 32) * 32;  // whole warps, or a power of two
+    const int64_t group = per <= 32 ? next_pow2(per) : ceil_div(per, 32) * 32;
     if (group > kPipeMaxThreads || (forced > 0 && iters != forced)) continue;
     PipeConfig c{iters, int(group), 0, 0, 0};
     c.threads = c.group >= kPipeBlockThreads ? c.group : kPipeBlockThreads / c.group * c.group;
-    c.smem = pipe_smem_bytes(c.iters, c.threads, a.dresidual_out != nullptr);
-    if (c.smem + kPipeStaticSmem > size_t(optin)) continue;  // e.g. N = 16384 with dresidual_out
-    const int64_t by_smem = int64_t(per_sm) / int64_t(c.smem + kPipeStaticSmem + 1024);  // 1 KiB reserved per block
+    c.smem = smem_bytes(c.iters, c.threads);
+    if (c.smem + static_smem > size_t(*optin)) continue;  // e.g. N = 16384 with dresidual_out
+    const int64_t by_smem = int64_t(per_sm) / int64_t(c.smem + static_smem + 1024);  // 1 KiB reserved per block
     const int64_t blocks = std::min<int64_t>(kPipeMaxThreads / c.threads, by_smem);
     const int64_t num = nvec * blocks * c.threads, den = iters * group;  // (nvec / slots) x resident threads
-    if (blocks > 0 && (best.iters == 0 || num * best_den > best_num * den)) {
-      best = c;
+    const bool better = out->iters == 0 || num * best_den > best_num * den ||
+                        (more_iters_on_ties && num * best_den == best_num * den);
+    if (blocks > 0 && better) {
+      *out = c;
       best_num = num;
       best_den = den;
     }
   }
-  if (best.iters == 0) return cudaSuccess;
-  best.smem_limit = std::min(pipe_smem_bytes(best.iters, kPipeMaxThreads, true), size_t(optin) - kPipeStaticSmem);
-  *out = best;
+  return cudaSuccess;
+}
+
+cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
+  *out = PipeConfig{0, 0, 0, 0, 0};
+  static const int forced = pipe_env_override("AMPKERNELS_NORM_BWD_PIPE", 2);
+  if (forced == 0) return cudaSuccess;
+  if (a.x_dtype == DType::kFloat32 || bwd_vec(a) != kPipeVec) return cudaSuccess;
+  if (a.dx_dtype != a.x_dtype || a.dresidual != nullptr) return cudaSuccess;
+  if (a.dresidual_out != nullptr && a.dresidual_out_dtype != a.x_dtype) return cudaSuccess;
+  const bool dro = a.dresidual_out != nullptr;
+  int optin = 0;
+  const cudaError_t err = pick_pipe_config(
+      a.cols / kPipeVec, 2, forced, false, kPipeStaticSmem,
+      [&](int iters, int threads) { return pipe_smem_bytes(iters, threads, dro); }, out, &optin);
+  if (err != cudaSuccess || out->iters == 0) return err;
+  out->smem_limit = std::min(pipe_smem_bytes(out->iters, kPipeMaxThreads, true), size_t(optin) - kPipeStaticSmem);
   return cudaSuccess;
 }
 
@@ -1403,11 +1417,10 @@ cudaError_t dispatch_pipe(DType x_dtype, int iters, F&& f) {
   }
 }
 
-// Opens the kernel's shared-memory limit (and prefers shared memory over L1: the kernel streams
-// through shared memory and keeps its weight in registers); per_sm (optional): blocks per SM.
-template <typename T, int kIters>
-cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
-  const auto kernel = norm_bwd_pipe_kernel<T, kIters>;
+// Opens a pipelined kernel's shared-memory limit (and prefers shared memory over L1: the kernels
+// stream through shared memory); per_sm (optional): blocks per SM.
+template <typename Kernel>
+cudaError_t open_pipe_smem(Kernel kernel, const PipeConfig& c, int* per_sm) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
   if (err == cudaSuccess) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -1429,67 +1442,23 @@ cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
 // AMPKERNELS_NORM_FWD_PIPE, read once, for measuring: "0" turns the pipelined forward off (the
 // other kernels take every call), "1" to "4" forces its kIters (where that fits; else the other
 // kernels). Unset or anything else: the model.
-int fwd_pipe_iters_override() {
-  static const int v = [] {
-    const char* s = std::getenv("AMPKERNELS_NORM_FWD_PIPE");
-    if (s == nullptr || s[0] == 0 || s[1] != 0 || !(s[0] >= '0' && s[0] <= '4')) return -1;
-    return s[0] - '0';
-  }();
-  return v;
-}
-
 cudaError_t fwd_pipe_config(const NormForwardArgs& a, PipeConfig* out) {
   *out = PipeConfig{0, 0, 0, 0, 0};
-  const int forced = fwd_pipe_iters_override();
+  static const int forced = pipe_env_override("AMPKERNELS_NORM_FWD_PIPE", 1);
   if (forced == 0) return cudaSuccess;
   if (a.x_dtype == DType::kFloat32 || fwd_vec(a) != kPipeVec) return cudaSuccess;
   auto x_or_f32 = [&](DType d) { return d == a.x_dtype || d == DType::kFloat32; };
   if (!x_or_f32(a.out_dtype)) return cudaSuccess;
   if (a.residual != nullptr && (a.residual_dtype != a.x_dtype || !x_or_f32(a.residual_out_dtype))) return cudaSuccess;
   const bool res = a.residual != nullptr, params = a.weight != nullptr || a.bias != nullptr;
-  int device = 0, optin = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-  if (err != cudaSuccess) return err;
-  const int64_t nvec = a.cols / kPipeVec;
-  PipeConfig best{0, 0, 0, 0, 0};
-  int64_t best_num = 0, best_den = 1;  // the model's value, best_num / best_den
-  for (int iters = 1; iters <= 4; ++iters) {
-    const int64_t per = ceil_div(nvec, iters);
-    const int64_t group = per <= 32 ? next_pow2(per) : ceil_div(per, 32) * 32;  // whole warps, or a power of two
-    if (group > kPipeMaxThreads || (forced > 0 && iters != forced)) continue;
-    PipeConfig c{iters, int(group), 0, 0, 0};
-    c.threads = c.group >= kPipeBlockThreads ? c.group : kPipeBlockThreads / c.group * c.group;
-    c.smem = fwd_pipe_smem_bytes(c.iters, c.threads, res, params);
-    if (c.smem + kFwdPipeStaticSmem > size_t(optin)) continue;
-    const int64_t by_smem = int64_t(per_sm) / int64_t(c.smem + kFwdPipeStaticSmem + 1024);  // 1 KiB reserved per block
-    const int64_t blocks = std::min<int64_t>(kPipeMaxThreads / c.threads, by_smem);
-    const int64_t num = nvec * blocks * c.threads, den = iters * group;  // (nvec / slots) x resident threads
-    if (blocks > 0 && (best.iters == 0 || num * best_den >= best_num * den)) {
-      best = c;
-      best_num = num;
-      best_den = den;
-    }
-  }
-  if (best.iters == 0) return cudaSuccess;
-  best.smem_limit = std::min(fwd_pipe_smem_bytes(best.iters, kPipeMaxThreads, true, true),
+  int optin = 0;
+  const cudaError_t err = pick_pipe_config(
+      a.cols / kPipeVec, 1, forced, true, kFwdPipeStaticSmem,
+      [&](int iters, int threads) { return fwd_pipe_smem_bytes(iters, threads, res, params); }, out, &optin);
+  if (err != cudaSuccess || out->iters == 0) return err;
+  out->smem_limit = std::min(fwd_pipe_smem_bytes(out->iters, kPipeMaxThreads, true, true),
                              size_t(optin) - kFwdPipeStaticSmem);
-  *out = best;
   return cudaSuccess;
-}
-
-// Opens the kernel's shared-memory limit (and prefers shared memory over L1); per_sm: blocks per SM.
-template <typename T, int kIters>
-cudaError_t fwd_pipe_prepare(const PipeConfig& c, int* per_sm) {
-  const auto kernel = norm_fwd_pipe_kernel<T, kIters>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
-  if (err == cudaSuccess) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               int(cudaSharedmemCarveoutMaxShared));
-  }
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, c.threads, c.smem);
-  return err;
 }
 
 // Runs f.template operator()<T, kIters>() for the pipelined forward's 16-bit dtypes, kIters 1..4.
@@ -1514,7 +1483,7 @@ cudaError_t norm_forward_pipe(const NormForwardArgs& a, const PipeConfig& p, cud
   if (err != cudaSuccess) return err;
   return dispatch_fwd_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() {
     int per_sm = 0;
-    const cudaError_t e = fwd_pipe_prepare<T, kIters>(p, &per_sm);
+    const cudaError_t e = open_pipe_smem(norm_fwd_pipe_kernel<T, kIters>, p, &per_sm);
     if (e != cudaSuccess) return e;
     const int64_t slots = ceil_div(a.rows, p.threads / p.group);
     const int64_t blocks = std::min<int64_t>(slots, int64_t(std::max(per_sm, 1)) * std::max(sms, 1));
@@ -1562,7 +1531,7 @@ cudaError_t norm_backward_blocks(const NormBackwardArgs& a, int num_sms, int* bl
   if (p.iters == 0) return bwd_blocks(a, num_sms, bwd_config(a), blocks);
   // as many blocks as fit on the GPU at once, never more than there are row slots
   int per_sm = 0;
-  err = dispatch_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() { return pipe_prepare<T, kIters>(p, &per_sm); });
+  err = dispatch_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() { return open_pipe_smem(norm_bwd_pipe_kernel<T, kIters>, p, &per_sm); });
   if (err != cudaSuccess) return err;
   const int64_t slots = ceil_div(a.rows, p.threads / p.group);
   *blocks = int(std::min<int64_t>(slots, int64_t(std::max(per_sm, 1)) * num_sms));
@@ -1577,7 +1546,7 @@ cudaError_t norm_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (p.iters != 0) {
     return dispatch_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() {
-      const cudaError_t e = pipe_prepare<T, kIters>(p, nullptr);
+      const cudaError_t e = open_pipe_smem(norm_bwd_pipe_kernel<T, kIters>, p, nullptr);
       if (e != cudaSuccess) return e;
       norm_bwd_pipe_kernel<T, kIters><<<unsigned(a.num_blocks), p.threads, p.smem, stream>>>(a, p.group);
       return cudaGetLastError();

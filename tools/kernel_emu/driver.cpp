@@ -281,7 +281,7 @@ int main(int argc, char** argv) {
         PipeConfig p; fwd_pipe_config(a, &p);
         const TileConfig tc = fwd_config(a);
         int per_sm = 0;
-        if (p.iters) dispatch_fwd_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() { return fwd_pipe_prepare<T, kIters>(p, &per_sm); });
+        if (p.iters) dispatch_fwd_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() { return open_pipe_smem(norm_fwd_pipe_kernel<T, kIters>, p, &per_sm); });
         std::printf("N=%5ld res=%d: %s k=%d G=%d threads=%d rows/block=%d smem=%zuKB blocks/SM=%d (%d threads/SM, %zu KB x per stage per SM)%s\n",
                     long(n), res, p.iters ? "pipe" : "old ", p.iters ? p.iters : tc.iters, p.iters ? p.group : tc.group,
                     p.iters ? p.threads : tc.threads, p.iters ? p.threads / p.group : 0, p.smem / 1024, per_sm,
