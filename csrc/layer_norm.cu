@@ -700,6 +700,18 @@ __device__ __forceinline__ void pipe_row_sum(float (&s)[2], int G, float2 (&red)
   s[1] = s1;
 }
 
+// The row walk of the persistent pipelined kernels: iteration i of a block handles row slot
+// blockIdx.x + i * gridDim.x, i.e. row slot * R + g for the thread's group g (R groups per block).
+struct PipeRows {
+  int64_t rows, R, g, iters;
+  __device__ PipeRows(int64_t rows_, int R_, int g_) : rows(rows_), R(R_), g(g_) {
+    const int64_t slots = (rows + R - 1) / R;
+    iters = slots > blockIdx.x ? (slots - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  }
+  __device__ int64_t row_of(int64_t i) const { return (int64_t(blockIdx.x) + i * gridDim.x) * R + g; }
+  __device__ bool has_row(int64_t i) const { return i < iters && row_of(i) < rows; }
+};
+
 // Shared memory of norm_bwd_pipe_kernel: kPipeStages x tensors x kIters x threads chunks of 16
 // bytes (slot (stage, tensor, k) of thread tid at ((stage * tensors + tensor) * kIters + k) *
 // threads + tid: a warp's 32 slots are contiguous, no bank conflicts), then for kIters >= 4 the
@@ -792,12 +804,11 @@ __global__ void __launch_bounds__(kPipeMaxThreads, 1) norm_bwd_pipe_kernel(const
 #pragma unroll
     for (int e = 0; e < kPipeVec; ++e) dw[k][e] = db[k][e] = 0.f;
 
-  // Iteration i handles row slot blockIdx.x + i * gridDim.x: rows slot * R + g. Every thread of the
-  // block runs the same iterations (the row sums may synchronise the block).
-  const int64_t slots = (a.rows + R - 1) / R;
-  const int64_t iters = slots > blockIdx.x ? (slots - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  auto row_of = [&](int64_t i) { return (int64_t(blockIdx.x) + i * gridDim.x) * R + g; };
-  auto has_row = [&](int64_t i) { return i < iters && row_of(i) < a.rows; };
+  // Every thread of the block runs the same iterations (the row sums may synchronise the block).
+  const PipeRows walk(a.rows, R, g);
+  const int64_t iters = walk.iters;
+  auto row_of = [&](int64_t i) { return walk.row_of(i); };
+  auto has_row = [&](int64_t i) { return walk.has_row(i); };
   // Starts the copies of iteration i's row into stage i % kPipeStages and commits them as one
   // group (an empty group past the end, so the group count stays one per iteration).
   auto issue = [&](int64_t i) {
@@ -1041,12 +1052,11 @@ __global__ void __launch_bounds__(kPipeMaxThreads, 1) norm_fwd_pipe_kernel(const
   auto owned = [&](int k) { return t + int64_t(k) * G < nvec; };  // chunk k of this thread is in the row
   auto col_of = [&](int k) { return (t + int64_t(k) * G) * kPipeVec; };
 
-  // Iteration i handles row slot blockIdx.x + i * gridDim.x: rows slot * R + g. Every thread of the
-  // block runs the same iterations (the row statistics may synchronise the block).
-  const int64_t slots = (a.rows + R - 1) / R;
-  const int64_t iters = slots > blockIdx.x ? (slots - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  auto row_of = [&](int64_t i) { return (int64_t(blockIdx.x) + i * gridDim.x) * R + g; };
-  auto has_row = [&](int64_t i) { return i < iters && row_of(i) < a.rows; };
+  // Every thread of the block runs the same iterations (the row statistics may synchronise the block).
+  const PipeRows walk(a.rows, R, g);
+  const int64_t iters = walk.iters;
+  auto row_of = [&](int64_t i) { return walk.row_of(i); };
+  auto has_row = [&](int64_t i) { return walk.has_row(i); };
   // Starts the copies of iteration i's row into stage i % kPipeStages and commits them as one
   // group (an empty group past the end, so the group count stays one per iteration).
   auto issue = [&](int64_t i) {
