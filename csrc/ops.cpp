@@ -13,6 +13,7 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <string>
 
@@ -341,7 +342,7 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
 // multiples of 8, K = 0) run the explicit fallback: at::mm (cuBLAS, any alignment) + the
 // bias_act kernel.
 
-constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
+constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;  // ours, where torch has no cuBLASLt workspace to lend
 
 bool lt_aligned(const at::Tensor& t) {
   return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
@@ -352,10 +353,21 @@ bool lt_aligned(const at::Tensor& t) {
 bool try_lt(const LtGemm& gemm, const at::Tensor& like) {
   LtGemm g = gemm;
   g.deterministic = at::globalContext().deterministicAlgorithms();
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  // torch's own workspace for this cuBLASLt handle and stream (its addmm epilogues use it): held
+  // once per stream, so our GEMMs add no 32 MiB allocation to a training step's peak memory (its
+  // size is torch's choice, CUBLASLT_WORKSPACE_SIZE; the plans are keyed by it)
+  (void)like;
+  void* const workspace_ptr = at::cuda::getCUDABlasLtWorkspace();
+  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
+#else
   // from the caching allocator: stream-ordered, so freeing it after the async launch is safe
   const at::Tensor workspace = at::empty({int64_t(kLtWorkspaceBytes)}, like.options().dtype(at::kByte));
+  void* const workspace_ptr = workspace.data_ptr();
+  const size_t workspace_size = kLtWorkspaceBytes;
+#endif
   bool no_plan = false;
-  const char* err = lt_matmul(g, at::cuda::getCurrentCUDABlasLtHandle(), workspace.data_ptr(), kLtWorkspaceBytes,
+  const char* err = lt_matmul(g, at::cuda::getCurrentCUDABlasLtHandle(), workspace_ptr, workspace_size,
                               at::cuda::getCurrentCUDAStream(), &no_plan);
   if (err != nullptr && no_plan) {
     TORCH_WARN_ONCE("ampkernels.linear_act: ", err, "; using the unfused path for such GEMMs");
