@@ -69,9 +69,8 @@ fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then
   step sanitize sanitize.log env OUT="$OUT" bash scripts/sanitize.sh
 fi
-bench_spread() {  # one benchmark module per process, queued round-robin over the visible GPUs
-  local ops=$1 ngpu i=0 op
-  ngpu=$(nvidia-smi -L | wc -l)
+bench_spread() {  # one benchmark module per process, queued round-robin over the $ngpu GPUs
+  local ops=$1 i=0 op
   [ "$ops" = all ] && ops="layer_norm linear_act mlp e2e"  # layer_norm's module measures rms_norm too
   declare -A queue
   for op in $ops; do queue[$((i % ngpu))]+="$op "; i=$((i + 1)); done
@@ -97,7 +96,8 @@ bench_spread() {  # one benchmark module per process, queued round-robin over th
   done
 }
 if [ "${GPU_BENCH:-all}" != none ]; then
-  if [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && [ "${BENCH_SPREAD:-1}" = 1 ]; then
+  ngpu=$(nvidia-smi -L | wc -l)
+  if [ "$ngpu" -gt 1 ] && [ "${BENCH_SPREAD:-1}" = 1 ]; then
     step bench bench.log bench_spread "${GPU_BENCH:-all}"
   else
     # shellcheck disable=SC2086
