@@ -7,44 +7,13 @@
 // the storage type, so any mix (fp16 x with fp32 params, fp32 out, fp32 residual) runs without
 // a build per combination. mean and rstd are fp32, one per row.
 //
-// Forward. Three kernels, picked per call (fwd_pipe_config, fwd_config):
-// - norm_fwd_pipe_kernel (16-bit x, cols % 8 == 0, every full-size tensor and the params 16-byte
-//   aligned; residual absent or in x's dtype; out and residual_out in x's dtype or fp32; params
-//   fp32, 16-bit or none; cols <= 16384 where its buffers fit the GPU's shared memory: on the
-//   H200 all but N > 14336 with a residual and params). Built like norm_bwd_pipe_kernel below:
-//   persistent blocks, a group of G <= 512 threads per row, each thread owning the same 1..4
-//   chunks of 8 columns in every row; weight and bias converted to fp32 once into the thread's
-//   own shared-memory slots; the next two rows' x (and residual) in flight as cp.async copies
-//   into a 2-stage per-thread buffer, a stage refilled as soon as its values are in registers
-//   (before the row's reduction). One reduction per row for LayerNorm too: each thread takes the
-//   exact two-pass (count, sum, M2) of its own elements, and the group combines them with Chan's
-//   parallel formula (a shuffle butterfly; for G > 32 one shared-memory exchange, one barrier and
-//   a second butterfly over the warps' results), d taken from the parts' sum / n so rows with
-//   |mean| >> std keep an accurate variance (no sum of squares about 0). 54-95 registers, no
-//   spills; 512 threads per SM (N = 16384: one 512-thread block, 64 KB of x in flight per SM in
-//   2 stages, 128 KB of fp32 params). Why: the tile kernel below loads a row only when its group
-//   starts it (nothing overlaps the loads beyond what 2 blocks per SM give) and LayerNorm takes
-//   two dependent group sums (two barrier round trips per row, RMSNorm one).
-//   UNMEASURED on a GPU: written and checked on a machine without one. The CPU emulation
-//   (tools/kernel_emu, `driver quick`: 876 forward cases, N = 1..20000, fp16/bf16/fp32 x,
-//   fp32/16-bit/no params, bias or not, both norms, residual none/x dtype/fp32, fp32 or 16-bit
-//   out and residual_out, rows with mean 1000 + noise, 1/7/37 rows on 1-3 SMs, cp.async
-//   deferred with poisoned destinations or immediate) matched float64 (out within the output
-//   dtype's rounding, mean and rstd within 1e-6 and 1e-4 relative, residual_out bit-exact) and
-//   was bitwise repeatable; ThreadSanitizer found no race on the cases run under it.
-//   A/B from one build: AMPKERNELS_NORM_FWD_PIPE=0 (read once per process) runs the kernels
-//   below for every call; =1..4 forces its kIters (where that fits). Its kIters model, 2 stages
-//   and block sizes are reasoned, not tuned; the params' slots are per thread (a block of R row
-//   groups holds R copies).
-// - norm_fwd_kernel (the rest up to 512 threads x 4 vectors per row): a group of G threads
-//   (1..512, a power of two) owns one row; thread t holds the row's vectors t, t+G, ... (kIters =
-//   1..4 vectors of kVec elements: 16-byte loads when cols and pointers allow, else 1 element),
-//   so x and residual are read once, all loads issued before the first reduction. Without a
-//   residual the row is kept in registers in x's own 16-bit storage type and converted to fp32
-//   at each use. mean is a group sum, then variance a second sum of centred squares (robust for
-//   rows with a large mean).
-// - norm_fwd_looped_kernel (rows longer than 512 threads x 4 vectors): one block per row, three
-//   passes over the row (L2-resident).
+// Forward, norm_fwd_kernel: a group of G threads (1..512, a power of two) owns one row; thread t
+// holds the row's vectors t, t+G, ... (kIters = 1..4 vectors of kVec elements: 16-byte loads when
+// cols and pointers allow, else 1 element), so x and residual are read once, all loads issued
+// before the first reduction. Without a residual the row is kept in registers in x's own 16-bit
+// storage type and converted to fp32 at each use. mean is a group sum, then variance a second
+// sum of centred squares (robust for rows with a large mean). Rows longer than 512 threads x 4
+// vectors take norm_fwd_looped_kernel: one block per row, three passes over the row (L2-resident).
 // With a residual, s = x + residual is normalised unrounded and stored as residual_out.
 //
 // Backward. Three kernels, picked per call (bwd_pipe_config, bwd_config); all persistent: each
@@ -73,10 +42,6 @@
 // - norm_bwd_looped_kernel (longer rows): two passes per row, partial sums kept in the block's
 //   own partial row in global memory.
 //
-// Forward measured on the H200 on 2026-11-30 before norm_fwd_pipe_kernel (M*N = 2^27, x read +
-// y written; copy 4.1 TB/s): LayerNorm bf16 3.31 / 3.29 / 2.99 TB/s at N = 4096 / 8192 / 16384,
-// fp16 3.16 at 16384, fp32 params under autocast 3.22 at 8192 and 2.69 at 16384; RMSNorm 3.6+;
-// the Triton LayerNorm forward 3.6-3.9. Target 3.9 for the best backend, 3.32 for each.
 // Measured on the H200 at a6d9463 (benchmarks/results/h200-2026-11-30-a6d9463*, bf16,
 // M*N = 2^27, N = 768..16384): forward 3.55-3.75 TB/s (RMSNorm), 2.97-3.39 (LayerNorm), up from
 // 2.0-3.4 at fp16 before the forward changes below; backward 1.8-2.3 TB/s (target 3.2), with
@@ -99,11 +64,15 @@
 // kIters model (bwd_pipe_config) are reasoned, not tuned: AMPKERNELS_NORM_BWD_PIPE=0 runs the
 // previous kernels instead and =2/3/4 forces kIters, for side-by-side runs from one build;
 // kPipeStages = 3 is a one-line change where shared memory allows.
+// Tried and dropped: a persistent pipelined forward built like norm_bwd_pipe_kernel (cp.async
+// into 2 stages, persistent blocks). Measured at ae7a2f1 on the H200 against the kernels here in
+// the same build (benchmarks/results/h200-2026-11-30-ae7a2f1-norm-ab.log): 2.0-3.5 TB/s vs
+// 2.7-4.0, slower at every N, dtype and norm; the forward needs no row-ahead overlap because many
+// register-tile blocks per SM already keep enough loads in flight. Its code is on branch `next`.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
-#include <utility>
 
 #include "activations.cuh"
 
@@ -700,18 +669,6 @@ __device__ __forceinline__ void pipe_row_sum(float (&s)[2], int G, float2 (&red)
   s[1] = s1;
 }
 
-// The row walk of the persistent pipelined kernels: iteration i of a block handles row slot
-// blockIdx.x + i * gridDim.x, i.e. row slot * R + g for the thread's group g (R groups per block).
-struct PipeRows {
-  int64_t rows, R, g, iters;
-  __device__ PipeRows(int64_t rows_, int R_, int g_) : rows(rows_), R(R_), g(g_) {
-    const int64_t slots = (rows + R - 1) / R;
-    iters = slots > blockIdx.x ? (slots - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  }
-  __device__ int64_t row_of(int64_t i) const { return (int64_t(blockIdx.x) + i * gridDim.x) * R + g; }
-  __device__ bool has_row(int64_t i) const { return i < iters && row_of(i) < rows; }
-};
-
 // Shared memory of norm_bwd_pipe_kernel: kPipeStages x tensors x kIters x threads chunks of 16
 // bytes (slot (stage, tensor, k) of thread tid at ((stage * tensors + tensor) * kIters + k) *
 // threads + tid: a warp's 32 slots are contiguous, no bank conflicts), then for kIters >= 4 the
@@ -804,11 +761,12 @@ __global__ void __launch_bounds__(kPipeMaxThreads, 1) norm_bwd_pipe_kernel(const
 #pragma unroll
     for (int e = 0; e < kPipeVec; ++e) dw[k][e] = db[k][e] = 0.f;
 
-  // Every thread of the block runs the same iterations (the row sums may synchronise the block).
-  const PipeRows walk(a.rows, R, g);
-  const int64_t iters = walk.iters;
-  auto row_of = [&](int64_t i) { return walk.row_of(i); };
-  auto has_row = [&](int64_t i) { return walk.has_row(i); };
+  // Iteration i handles row slot blockIdx.x + i * gridDim.x: rows slot * R + g. Every thread of the
+  // block runs the same iterations (the row sums may synchronise the block).
+  const int64_t slots = (a.rows + R - 1) / R;
+  const int64_t iters = slots > blockIdx.x ? (slots - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  auto row_of = [&](int64_t i) { return (int64_t(blockIdx.x) + i * gridDim.x) * R + g; };
+  auto has_row = [&](int64_t i) { return i < iters && row_of(i) < a.rows; };
   // Starts the copies of iteration i's row into stage i % kPipeStages and commits them as one
   // group (an empty group past the end, so the group count stays one per iteration).
   auto issue = [&](int64_t i) {
@@ -937,270 +895,6 @@ __global__ void __launch_bounds__(kPipeMaxThreads, 1) norm_bwd_pipe_kernel(const
       if (want_db) dbp[col + e] = db[k][e];
     }
   }
-}
-
-// ------------------------------------------------------------------ forward, pipelined (16-bit x)
-
-// norm_fwd_pipe_kernel: the forward for 16-bit x in 16-byte chunks (the common AMP case), as
-// norm_bwd_pipe_kernel does the backward. Persistent blocks; a group of G threads owns one row
-// (G a power of two up to 32, else a multiple of 32, <= 512); thread t owns the chunks
-// j = t + k*G (k < kIters) of every row it sees, i.e. the same columns for the whole kernel.
-// - weight and bias in fp32 in the thread's own shared-memory slots, converted once (registers
-//   are kept for the row: 8 * kIters fp32 values);
-// - x (and a residual in x's dtype) of the next two rows in flight: cp.async into this thread's
-//   own slots of a 2-stage buffer. A stage is refilled as soon as the thread's values of it have
-//   been consumed (before the row's reduction), so while a row is reduced and written the next
-//   two rows' loads are in flight. A thread only ever reads the slots it filled: no barrier
-//   guards the buffers (cp.async.wait_group orders the copies before the reads; the refill is
-//   issued after arithmetic that consumed every value read from the stage).
-// - one reduction per row, also for LayerNorm: each thread takes the exact two-pass statistics
-//   of its own elements (count, mean, sum of squared deviations from that mean) in registers,
-//   and the group combines the triples with Chan's parallel formula (shuffles, plus one shared-
-//   memory exchange and one barrier when G > 32). As robust for rows with a large mean as the
-//   two-sum version (no sum of squares about 0), with half the barriers. RMSNorm: a plain sum of
-//   squares.
-// Then y = (s - mean) * rstd * w + b is written in x's dtype or fp32, and with a residual
-// s = x + residual (unrounded) in residual_out's dtype (x's or fp32).
-// A row part's statistics. The row's mean is sum / cols, as accurate as a plain group sum; m2
-// is combined by Chan's formula with d = the difference of the parts' means (sum / n). Carrying
-// the sum instead of Chan's running mean keeps d accurate when |mean| >> std (a running mean
-// gains a rounding of |mean| per combination).
-struct RowStats {
-  float n, sum, m2;  // count, sum, sum of squared deviations from sum / n
-};
-
-__device__ __forceinline__ float stats_mean(const RowStats& s) { return s.n > 0.f ? s.sum / s.n : 0.f; }
-
-// a then b, ma and mb their means. The factor na * nb / n scales only the correction term: a
-// fast division (deterministic, ~2 ulp) there, an exact one for the means.
-__device__ __forceinline__ RowStats chan_combine(const RowStats& a, float ma, const RowStats& b, float mb) {
-  const float n = a.n + b.n, d = mb - ma;
-  return {n, a.sum + b.sum, a.m2 + b.m2 + d * d * (n > 0.f ? __fdividef(a.n * b.n, n) : 0.f)};
-}
-
-// Combines the statistics of aligned groups of `width` lanes (a power of two, <= 32); every lane
-// of a group gets the same bits: each pair is combined lower lane first, by both lanes.
-// RMSNorm: m2 is the sum of squares, and a plain sum.
-__device__ __forceinline__ void stats_butterfly(RowStats& s, bool rms, int width) {
-  for (int off = width / 2; off > 0; off >>= 1) {
-    if (rms) {
-      s.m2 += __shfl_xor_sync(0xffffffffu, s.m2, off);
-      continue;
-    }
-    const float m = stats_mean(s);
-    const RowStats o{__shfl_xor_sync(0xffffffffu, s.n, off), __shfl_xor_sync(0xffffffffu, s.sum, off),
-                     __shfl_xor_sync(0xffffffffu, s.m2, off)};
-    const float om = __shfl_xor_sync(0xffffffffu, m, off);
-    s = (threadIdx.x & off) != 0 ? chan_combine(o, om, s, m) : chan_combine(s, m, o, om);
-  }
-}
-
-// The row's statistics over the G threads of a row group, every thread of the block calling (G
-// is uniform); all lanes of a group get the same bits. Within a warp a butterfly; with G > 32 the
-// group's W = G / 32 warp results go through shared memory (one barrier) and every warp combines
-// them by a second butterfly over its lanes (lane l takes warp l mod P, P = W rounded up to a
-// power of two; warps >= W are empty), so the W - 1 combinations take log2(P) steps. red
-// alternates between two buffers per row, as in pipe_row_sum: one barrier per row.
-__device__ __forceinline__ void pipe_row_stats(RowStats& s, bool rms, int G, float4 (&red)[kPipeMaxThreads / 32]) {
-  stats_butterfly(s, rms, G < 32 ? G : 32);
-  if (G <= 32) return;
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = make_float4(s.n, s.sum, s.m2, 0.f);
-  __syncthreads();
-  const int W = G / 32, first = (threadIdx.x / G) * W;
-  int P = 1;
-  while (P < W) P *= 2;
-  const int l = int(threadIdx.x % 32) % P;
-  const float4 v = l < W ? red[first + l] : make_float4(0.f, 0.f, 0.f, 0.f);
-  s = RowStats{v.x, v.y, v.z};
-  stats_butterfly(s, rms, P);
-}
-
-// An empty asm that takes v: every value v was computed from is in registers before anything
-// after this point is issued (used before a stage's refill: its shared-memory reads are done).
-__device__ __forceinline__ void reads_done(float v) {
-  asm volatile("" ::"f"(v) : "memory");
-}
-
-// Shared memory of norm_fwd_pipe_kernel: kPipeStages x tensors x kIters x threads chunks of 16
-// bytes (as the backward's: slot (stage, tensor, k) of thread tid at ((stage * tensors + tensor)
-// * kIters + k) * threads + tid), then with params 4 x kIters float4 per thread (w lo, w hi,
-// b lo, b hi of chunk k at (4k + q) * threads + tid).
-constexpr size_t kFwdPipeStaticSmem = 2 * (kPipeMaxThreads / 32) * sizeof(float4);
-size_t fwd_pipe_smem_bytes(int iters, int threads, bool residual, bool params) {
-  size_t bytes = kPipeStages * (residual ? 2 : 1) * size_t(iters) * threads * 16;
-  if (params) bytes += size_t(iters) * threads * 4 * sizeof(float4);
-  return bytes;
-}
-
-template <typename T, int kIters>
-__global__ void __launch_bounds__(kPipeMaxThreads, 1) norm_fwd_pipe_kernel(const NormForwardArgs a, const int G) {
-  static_assert(sizeof(T) == 2, "16-bit x only");
-  using Chunk = Pack<T, kPipeVec>;
-  extern __shared__ uint4 fwd_smem[];
-  __shared__ float4 red[2][kPipeMaxThreads / 32];
-  static_assert(sizeof(red) == kFwdPipeStaticSmem);
-
-  const int nthr = blockDim.x, tid = threadIdx.x;
-  const int t = tid % G, g = tid / G, R = nthr / G;  // R rows per block at a time
-  const int64_t cols = a.cols, nvec = cols / kPipeVec;
-  const bool has_res = a.residual != nullptr, has_w = a.weight != nullptr, has_b = a.bias != nullptr;
-  const bool out_f32 = a.out_dtype == DType::kFloat32, res_out_f32 = a.residual_out_dtype == DType::kFloat32;
-  const int tensors = has_res ? 2 : 1;  // x [, residual]
-  uint4* const stage_base = fwd_smem + tid;
-  auto slot = [&](int stage, int tensor, int k) { return stage_base + ((stage * tensors + tensor) * kIters + k) * nthr; };
-  float4* const p_smem = reinterpret_cast<float4*>(fwd_smem + kPipeStages * tensors * kIters * nthr) + tid;
-  auto owned = [&](int k) { return t + int64_t(k) * G < nvec; };  // chunk k of this thread is in the row
-  auto col_of = [&](int k) { return (t + int64_t(k) * G) * kPipeVec; };
-
-  // Every thread of the block runs the same iterations (the row statistics may synchronise the block).
-  const PipeRows walk(a.rows, R, g);
-  const int64_t iters = walk.iters;
-  auto row_of = [&](int64_t i) { return walk.row_of(i); };
-  auto has_row = [&](int64_t i) { return walk.has_row(i); };
-  // Starts the copies of iteration i's row into stage i % kPipeStages and commits them as one
-  // group (an empty group past the end, so the group count stays one per iteration).
-  auto issue = [&](int64_t i) {
-    if (has_row(i)) {
-      const int stage = int(i % kPipeStages);
-      const int64_t base = row_of(i) * cols;
-#pragma unroll
-      for (int k = 0; k < kIters; ++k) {
-        if (!owned(k)) continue;
-        cp_async16(slot(stage, 0, k), static_cast<const T*>(a.x) + base + col_of(k));
-        if (has_res) cp_async16(slot(stage, 1, k), static_cast<const T*>(a.residual) + base + col_of(k));
-      }
-    }
-    cp_async_commit();
-  };
-  auto read_chunk = [&](int stage, int tensor, int k) {
-    const uint4 raw = *slot(stage, tensor, k);
-    Chunk c;
-    memcpy(&c, &raw, sizeof(c));
-    return c;
-  };
-  // the first rows' copies first: the params' loads below overlap them
-#pragma unroll
-  for (int s = 0; s < kPipeStages; ++s) issue(s);
-
-  // weight and bias of this thread's columns in fp32, once, into its own slots (no barrier)
-  if (has_w || has_b) {
-    auto load_p = [&]<typename TP>() {
-#pragma unroll
-      for (int k = 0; k < kIters; ++k) {
-        if (!owned(k)) continue;
-        float w[kPipeVec], b[kPipeVec];
-        if (has_w) {
-          load_pack<TP, kPipeVec>(a.weight, col_of(k), w);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kPipeVec; ++e) w[e] = 1.f;
-        }
-        if (has_b) {
-          load_pack<TP, kPipeVec>(a.bias, col_of(k), b);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kPipeVec; ++e) b[e] = 0.f;
-        }
-        p_smem[(4 * k + 0) * nthr] = make_float4(w[0], w[1], w[2], w[3]);
-        p_smem[(4 * k + 1) * nthr] = make_float4(w[4], w[5], w[6], w[7]);
-        p_smem[(4 * k + 2) * nthr] = make_float4(b[0], b[1], b[2], b[3]);
-        p_smem[(4 * k + 3) * nthr] = make_float4(b[4], b[5], b[6], b[7]);
-      }
-    };
-    switch (a.param_dtype) {
-      case DType::kFloat32: load_p.template operator()<float>(); break;
-      case DType::kFloat16: load_p.template operator()<__half>(); break;
-      case DType::kBFloat16: load_p.template operator()<__nv_bfloat16>(); break;
-    }
-  }
-
-  // 8 fp32 values as 16 bytes of 16-bit values, or as 32 bytes of fp32
-  auto store8 = [&](void* p, bool f32, int64_t off, const float (&v)[kPipeVec]) {
-    if (f32) {
-      float4* const q = reinterpret_cast<float4*>(static_cast<float*>(p) + off);
-      q[0] = make_float4(v[0], v[1], v[2], v[3]);
-      q[1] = make_float4(v[4], v[5], v[6], v[7]);
-    } else {
-      *reinterpret_cast<uint4*>(static_cast<T*>(p) + off) =
-          make_uint4(pack2_f32<T>(v[0], v[1]), pack2_f32<T>(v[2], v[3]), pack2_f32<T>(v[4], v[5]), pack2_f32<T>(v[6], v[7]));
-    }
-  };
-
-  for (int64_t i = 0; i < iters; ++i) {
-    const int stage = int(i % kPipeStages);
-    const int64_t row = row_of(i);
-    const bool valid = row < a.rows;
-    const int64_t base = row * cols;
-    cp_async_wait<kPipeStages - 1>();  // this row's group has landed; the next one may still fly
-
-    // s = x [+ residual] of this thread's chunks in fp32 (0 outside the row)
-    float v[kIters][kPipeVec];
-    RowStats st{0.f, 0.f, 0.f};
-#pragma unroll
-    for (int k = 0; k < kIters; ++k) {
-      const bool in = valid && owned(k);
-      const Chunk xc = in ? read_chunk(stage, 0, k) : Chunk{};
-#pragma unroll
-      for (int e = 0; e < kPipeVec; ++e) v[k][e] = in ? elem_f32(xc, e) : 0.f;
-      if (has_res && in) {
-        const Chunk rc = read_chunk(stage, 1, k);
-#pragma unroll
-        for (int e = 0; e < kPipeVec; ++e) v[k][e] += elem_f32(rc, e);
-      }
-      if (in) st.n += float(kPipeVec);
-    }
-    // this thread's exact two-pass statistics (elements outside the row are 0 and not counted)
-    if (!a.is_rms) {
-#pragma unroll
-      for (int k = 0; k < kIters; ++k)
-#pragma unroll
-        for (int e = 0; e < kPipeVec; ++e) st.sum += v[k][e];
-    }
-    const float mean_t = stats_mean(st);  // (0 for RMSNorm)
-#pragma unroll
-    for (int k = 0; k < kIters; ++k) {
-      if (!(valid && owned(k))) continue;
-#pragma unroll
-      for (int e = 0; e < kPipeVec; ++e) {
-        const float d = v[k][e] - mean_t;
-        st.m2 += d * d;
-      }
-    }
-    // refill this stage: every value read from it has been consumed into st.m2
-    reads_done(st.m2);
-    issue(i + kPipeStages);
-
-    if (has_res && a.residual_out != nullptr && valid) {
-#pragma unroll
-      for (int k = 0; k < kIters; ++k)
-        if (owned(k)) store8(a.residual_out, res_out_f32, base + col_of(k), v[k]);
-    }
-    pipe_row_stats(st, a.is_rms, G, red[i % 2]);
-    const float mean = a.is_rms ? 0.f : st.sum / float(cols);
-    const float rstd = rsqrtf(st.m2 / float(cols) + a.eps);
-    if (!valid) continue;  // (no barrier follows in this iteration)
-    if (t == 0) {
-      if (a.mean != nullptr) a.mean[row] = mean;
-      a.rstd[row] = rstd;
-    }
-#pragma unroll
-    for (int k = 0; k < kIters; ++k) {
-      if (!owned(k)) continue;
-      float y[kPipeVec];
-#pragma unroll
-      for (int e = 0; e < kPipeVec; ++e) y[e] = (v[k][e] - mean) * rstd;
-      if (has_w || has_b) {
-        const float4 w0 = p_smem[(4 * k + 0) * nthr], w1 = p_smem[(4 * k + 1) * nthr];
-        const float4 b0 = p_smem[(4 * k + 2) * nthr], b1 = p_smem[(4 * k + 3) * nthr];
-        const float w[kPipeVec] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-        const float b[kPipeVec] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-        for (int e = 0; e < kPipeVec; ++e) y[e] = y[e] * w[e] + b[e];
-      }
-      store8(a.out, out_f32, base + col_of(k), y);
-    }
-  }
-  cp_async_wait<0>();  // (only empty groups can be left)
 }
 
 // out[c] = sum over blocks b of partial[b][c], in a fixed order: thread (x, y) adds the rows
@@ -1348,64 +1042,50 @@ struct PipeConfig {
 // AMPKERNELS_NORM_BWD_PIPE, read once, for measuring: "0" turns the pipelined backward off (the
 // other kernels take every call: old and new side by side from one build), "2", "3" or "4"
 // forces its kIters (where that fits; else the other kernels). Unset or anything else: the model.
-// An AMPKERNELS_NORM_*_PIPE variable: -1 unset or not one of "0", "lo".."4"; else its digit.
-int pipe_env_override(const char* name, int lo) {
-  const char* s = std::getenv(name);
-  if (s == nullptr || s[0] == 0 || s[1] != 0 || !(s[0] == '0' || (s[0] >= '0' + lo && s[0] <= '4'))) return -1;
-  return s[0] - '0';
-}
-
-// The pipelined kernels' shape search, forward and backward: kIters in lo..4 (only `forced` when
-// > 0), each with its group (whole warps, or a power of two below 32) and block of whole rows,
-// where smem_bytes(iters, threads) + static_smem fits; the best by the model
-// (owned slots / all slots) x (resident threads); ties: fewer kIters, or more when
-// more_iters_on_ties. out->iters == 0: none fits. *optin: the GPU's opt-in shared memory per block.
-template <typename SmemBytes>
-cudaError_t pick_pipe_config(int64_t nvec, int lo, int forced, bool more_iters_on_ties, size_t static_smem,
-                             SmemBytes smem_bytes, PipeConfig* out, int* optin) {
-  *out = PipeConfig{0, 0, 0, 0, 0};
-  int device = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-  if (err != cudaSuccess) return err;
-  int64_t best_num = 0, best_den = 1;  // the model's value, best_num / best_den
-  for (int iters = lo; iters <= 4; ++iters) {
-    const int64_t per = ceil_div(nvec, iters);
-    const int64_t group = per <= 32 ? next_pow2(per) : ceil_div(per, 32) * 32;
-    if (group > kPipeMaxThreads || (forced > 0 && iters != forced)) continue;
-    PipeConfig c{iters, int(group), 0, 0, 0};
-    c.threads = c.group >= kPipeBlockThreads ? c.group : kPipeBlockThreads / c.group * c.group;
-    c.smem = smem_bytes(c.iters, c.threads);
-    if (c.smem + static_smem > size_t(*optin)) continue;  // e.g. N = 16384 with dresidual_out
-    const int64_t by_smem = int64_t(per_sm) / int64_t(c.smem + static_smem + 1024);  // 1 KiB reserved per block
-    const int64_t blocks = std::min<int64_t>(kPipeMaxThreads / c.threads, by_smem);
-    const int64_t num = nvec * blocks * c.threads, den = iters * group;  // (nvec / slots) x resident threads
-    const bool better = out->iters == 0 || num * best_den > best_num * den ||
-                        (more_iters_on_ties && num * best_den == best_num * den);
-    if (blocks > 0 && better) {
-      *out = c;
-      best_num = num;
-      best_den = den;
-    }
-  }
-  return cudaSuccess;
+int pipe_iters_override() {
+  static const int v = [] {
+    const char* s = std::getenv("AMPKERNELS_NORM_BWD_PIPE");
+    if (s == nullptr || s[0] == 0 || s[1] != 0 || !(s[0] == '0' || (s[0] >= '2' && s[0] <= '4'))) return -1;
+    return s[0] - '0';
+  }();
+  return v;
 }
 
 cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
   *out = PipeConfig{0, 0, 0, 0, 0};
-  static const int forced = pipe_env_override("AMPKERNELS_NORM_BWD_PIPE", 2);
+  const int forced = pipe_iters_override();
   if (forced == 0) return cudaSuccess;
   if (a.x_dtype == DType::kFloat32 || bwd_vec(a) != kPipeVec) return cudaSuccess;
   if (a.dx_dtype != a.x_dtype || a.dresidual != nullptr) return cudaSuccess;
   if (a.dresidual_out != nullptr && a.dresidual_out_dtype != a.x_dtype) return cudaSuccess;
-  const bool dro = a.dresidual_out != nullptr;
-  int optin = 0;
-  const cudaError_t err = pick_pipe_config(
-      a.cols / kPipeVec, 2, forced, false, kPipeStaticSmem,
-      [&](int iters, int threads) { return pipe_smem_bytes(iters, threads, dro); }, out, &optin);
-  if (err != cudaSuccess || out->iters == 0) return err;
-  out->smem_limit = std::min(pipe_smem_bytes(out->iters, kPipeMaxThreads, true), size_t(optin) - kPipeStaticSmem);
+  int device = 0, optin = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  if (err != cudaSuccess) return err;
+  const int64_t nvec = a.cols / kPipeVec;
+  PipeConfig best{0, 0, 0, 0, 0};
+  int64_t best_num = 0, best_den = 1;  // the model's value, best_num / best_den
+  for (int iters = 2; iters <= 4; ++iters) {
+    const int64_t per = ceil_div(nvec, iters);
+    const int64_t group = per <= 32 ? next_pow2(per) : ceil_div(per, 32) * 32;  // whole warps, or a power of two
+    if (group > kPipeMaxThreads || (forced > 0 && iters != forced)) continue;
+    PipeConfig c{iters, int(group), 0, 0, 0};
+    c.threads = c.group >= kPipeBlockThreads ? c.group : kPipeBlockThreads / c.group * c.group;
+    c.smem = pipe_smem_bytes(c.iters, c.threads, a.dresidual_out != nullptr);
+    if (c.smem + kPipeStaticSmem > size_t(optin)) continue;  // e.g. N = 16384 with dresidual_out
+    const int64_t by_smem = int64_t(per_sm) / int64_t(c.smem + kPipeStaticSmem + 1024);  // 1 KiB reserved per block
+    const int64_t blocks = std::min<int64_t>(kPipeMaxThreads / c.threads, by_smem);
+    const int64_t num = nvec * blocks * c.threads, den = iters * group;  // (nvec / slots) x resident threads
+    if (blocks > 0 && (best.iters == 0 || num * best_den > best_num * den)) {
+      best = c;
+      best_num = num;
+      best_den = den;
+    }
+  }
+  if (best.iters == 0) return cudaSuccess;
+  best.smem_limit = std::min(pipe_smem_bytes(best.iters, kPipeMaxThreads, true), size_t(optin) - kPipeStaticSmem);
+  *out = best;
   return cudaSuccess;
 }
 
@@ -1427,10 +1107,11 @@ cudaError_t dispatch_pipe(DType x_dtype, int iters, F&& f) {
   }
 }
 
-// Opens a pipelined kernel's shared-memory limit (and prefers shared memory over L1: the kernels
-// stream through shared memory); per_sm (optional): blocks per SM.
-template <typename Kernel>
-cudaError_t open_pipe_smem(Kernel kernel, const PipeConfig& c, int* per_sm) {
+// Opens the kernel's shared-memory limit (and prefers shared memory over L1: the kernel streams
+// through shared memory and keeps its weight in registers); per_sm (optional): blocks per SM.
+template <typename T, int kIters>
+cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
+  const auto kernel = norm_bwd_pipe_kernel<T, kIters>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
   if (err == cudaSuccess) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -1442,74 +1123,10 @@ cudaError_t open_pipe_smem(Kernel kernel, const PipeConfig& c, int* per_sm) {
   return err;
 }
 
-// The pipelined forward's shape, as PipeConfig for the backward. iters == 0: the other kernels.
-// Takes 16-bit x in 16-byte chunks (every full-size tensor and the params 16-byte aligned), no
-// residual or one in x's dtype, out and residual_out in x's dtype or fp32, params of any dtype;
-// rows of up to 512 x 4 chunks (N = 16384 at 16 bits) where the buffers fit the GPU's shared
-// memory (on the H200 all but N > 14336 with a residual and params). kIters in 1..4 by the
-// backward's model (owned slots / all slots) x (resident threads / 512); ties: more kIters
-// (fewer threads per row, so cheaper reductions, and smaller blocks).
-// AMPKERNELS_NORM_FWD_PIPE, read once, for measuring: "0" turns the pipelined forward off (the
-// other kernels take every call), "1" to "4" forces its kIters (where that fits; else the other
-// kernels). Unset or anything else: the model.
-cudaError_t fwd_pipe_config(const NormForwardArgs& a, PipeConfig* out) {
-  *out = PipeConfig{0, 0, 0, 0, 0};
-  static const int forced = pipe_env_override("AMPKERNELS_NORM_FWD_PIPE", 1);
-  if (forced == 0) return cudaSuccess;
-  if (a.x_dtype == DType::kFloat32 || fwd_vec(a) != kPipeVec) return cudaSuccess;
-  auto x_or_f32 = [&](DType d) { return d == a.x_dtype || d == DType::kFloat32; };
-  if (!x_or_f32(a.out_dtype)) return cudaSuccess;
-  if (a.residual != nullptr && (a.residual_dtype != a.x_dtype || !x_or_f32(a.residual_out_dtype))) return cudaSuccess;
-  const bool res = a.residual != nullptr, params = a.weight != nullptr || a.bias != nullptr;
-  int optin = 0;
-  const cudaError_t err = pick_pipe_config(
-      a.cols / kPipeVec, 1, forced, true, kFwdPipeStaticSmem,
-      [&](int iters, int threads) { return fwd_pipe_smem_bytes(iters, threads, res, params); }, out, &optin);
-  if (err != cudaSuccess || out->iters == 0) return err;
-  out->smem_limit = std::min(fwd_pipe_smem_bytes(out->iters, kPipeMaxThreads, true, true),
-                             size_t(optin) - kFwdPipeStaticSmem);
-  return cudaSuccess;
-}
-
-// Runs f.template operator()<T, kIters>() for the pipelined forward's 16-bit dtypes, kIters 1..4.
-template <typename F>
-cudaError_t dispatch_fwd_pipe(DType x_dtype, int iters, F&& f) {
-  if (iters == 1) {
-    switch (x_dtype) {
-      case DType::kFloat16: return f.template operator()<__half, 1>();
-      case DType::kBFloat16: return f.template operator()<__nv_bfloat16, 1>();
-      default: return cudaErrorInvalidValue;
-    }
-  }
-  return dispatch_pipe(x_dtype, iters, std::forward<F>(f));
-}
-
-// The pipelined forward: persistent, as many blocks as fit on the GPU at once (never more than
-// there are row slots). The result does not depend on the grid: each row is one group's.
-cudaError_t norm_forward_pipe(const NormForwardArgs& a, const PipeConfig& p, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  return dispatch_fwd_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() {
-    int per_sm = 0;
-    const cudaError_t e = open_pipe_smem(norm_fwd_pipe_kernel<T, kIters>, p, &per_sm);
-    if (e != cudaSuccess) return e;
-    const int64_t slots = ceil_div(a.rows, p.threads / p.group);
-    const int64_t blocks = std::min<int64_t>(slots, int64_t(std::max(per_sm, 1)) * std::max(sms, 1));
-    norm_fwd_pipe_kernel<T, kIters><<<unsigned(blocks), p.threads, p.smem, stream>>>(a, p.group);
-    return cudaGetLastError();
-  });
-}
-
 }  // namespace
 
 cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.cols == 0) return cudaSuccess;
-  PipeConfig p;
-  const cudaError_t err = fwd_pipe_config(a, &p);
-  if (err != cudaSuccess) return err;
-  if (p.iters != 0) return norm_forward_pipe(a, p, stream);
   const TileConfig c = fwd_config(a);
   return dispatch_vec(a.x_dtype, c.vec, [&]<typename T, int kVec>() {
     if (c.iters == 0) {
@@ -1541,7 +1158,7 @@ cudaError_t norm_backward_blocks(const NormBackwardArgs& a, int num_sms, int* bl
   if (p.iters == 0) return bwd_blocks(a, num_sms, bwd_config(a), blocks);
   // as many blocks as fit on the GPU at once, never more than there are row slots
   int per_sm = 0;
-  err = dispatch_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() { return open_pipe_smem(norm_bwd_pipe_kernel<T, kIters>, p, &per_sm); });
+  err = dispatch_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() { return pipe_prepare<T, kIters>(p, &per_sm); });
   if (err != cudaSuccess) return err;
   const int64_t slots = ceil_div(a.rows, p.threads / p.group);
   *blocks = int(std::min<int64_t>(slots, int64_t(std::max(per_sm, 1)) * num_sms));
@@ -1556,7 +1173,7 @@ cudaError_t norm_backward(const NormBackwardArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (p.iters != 0) {
     return dispatch_pipe(a.x_dtype, p.iters, [&]<typename T, int kIters>() {
-      const cudaError_t e = open_pipe_smem(norm_bwd_pipe_kernel<T, kIters>, p, nullptr);
+      const cudaError_t e = pipe_prepare<T, kIters>(p, nullptr);
       if (e != cudaSuccess) return e;
       norm_bwd_pipe_kernel<T, kIters><<<unsigned(a.num_blocks), p.threads, p.smem, stream>>>(a, p.group);
       return cudaGetLastError();

@@ -4,7 +4,7 @@ the benchmarks count bytes, at the benchmark's N (M = 2^27 / N rows). For exampl
 
     AMPKERNELS_NORM_BWD_PIPE=0 python scripts/norm_ab.py --pass bwd            # per-row CUDA kernels
     python scripts/norm_ab.py --pass bwd                                       # the default
-    AMPKERNELS_NORM_FWD_PIPE=0 python scripts/norm_ab.py --pass fwd --params fp32
+    python scripts/norm_ab.py --pass fwd --params fp32 --backend triton
     AMPKERNELS_TRITON_NORM_BWD_STAGES=1 python scripts/norm_ab.py --pass bwd --backend triton
 
 Each line is labelled with the AMPKERNELS_* variables that were set.

@@ -108,7 +108,6 @@ inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width = 
   return r;
 }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
-inline float __fdividef(float a, float b) { return a / b; }  // (exact here; ~2 ulp on the GPU)
 
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 // runtime API for kernels given as function pointers (cuda_runtime.h has these only under nvcc)
