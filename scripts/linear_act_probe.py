@@ -1,10 +1,15 @@
 """Where a small linear_act loses time on the GPU: per activation, the Triton forward's autotune
 timings (ms per config) and pick, then each backend's forward under do_bench as a user calls it
-and the same call replayed from a CUDA graph (no host work: the GPU time alone).
-    python scripts/linear_act_probe.py [M K N]
+and the same call replayed from a CUDA graph (no host work: the GPU time alone); with --host,
+the host time per call (enqueued behind a long GPU sleep, so the host never waits) and the
+functions with the most own host time under cProfile.
+    python scripts/linear_act_probe.py [M K N] [--host]
 """
+import cProfile
 import functools
+import pstats
 import sys
+import time
 
 import torch
 from triton.testing import do_bench
@@ -12,7 +17,9 @@ from triton.testing import do_bench
 import ampkernels
 from ampkernels.triton import linear_act as tl_linear
 
-M, K, N = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (4096, 768, 3072)
+HOST = "--host" in sys.argv
+dims = [a for a in sys.argv[1:] if a != "--host"]
+M, K, N = (int(v) for v in dims[:3]) if len(dims) >= 3 else (4096, 768, 3072)
 dtype = torch.bfloat16
 x = torch.randn(M, K, device="cuda", dtype=dtype)
 w = torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5
@@ -40,8 +47,31 @@ def report(label, fn, flops):
         eager, graph = do_bench(fn, warmup=25, rep=200), graph_ms(fn)
         print(f"  {label}: called {flops / eager / 1e9:.0f} TFLOP/s ({eager * 1e3:.1f} us),"
               f" graph {flops / graph / 1e9:.0f} ({graph * 1e3:.1f} us)", flush=True)
+        if HOST:
+            host_profile(fn)
     except Exception as e:  # noqa: BLE001 (a probe: say what failed and go on)
         print(f"  {label}: {type(e).__name__}: {e}", flush=True)
+
+
+def host_profile(fn, calls=20):
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # seconds of GPU work ahead of the calls: the host never waits
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"    host {host * 1e6:.0f} us per call; own host time, top functions over {calls} calls:")
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]
+    for (file, line, name), (_, ncalls, tottime, cumtime, _) in rows:
+        print(f"      {tottime / calls * 1e6:7.1f} us own {cumtime / calls * 1e6:7.1f} us cum {ncalls // calls:3d}x"
+              f" {file.split('site-packages/')[-1]}:{line}({name})")
 
 
 def train_step(backend, act):
