@@ -190,8 +190,8 @@ class LinearActFunction(torch.autograd.Function):
 # ---------------------------------------------------------------- "auto"
 
 # "auto": backends to try, fastest first, per (compute capability major, dtype, activation,
-# shape bucket, training). Filled from one H200 run of benchmarks/bench_linear_act.py --quick
-# (commit b0f52af, benchmarks/results/linear_act-h200-2026-11-30.jsonl): per cell the fastest
+# shape bucket, training). Filled from one full H200 run of benchmarks/bench_linear_act.py
+# (commit d7c2ee3, benchmarks/results/h200-2026-11-30-d7c2ee3.jsonl): per cell the fastest
 # of cuda / triton / torch (eager F.linear + activation) over the bucket's shapes, summed; a
 # fused kernel within 1% of eager counts as a tie and is kept. Buckets by M*N*K: "small"
 # < 2^34 (4096x768x3072), "medium" < 2^37 (8192x1024x4096), "large" (8192x4096x{4096,16384}).
@@ -200,23 +200,26 @@ class LinearActFunction(torch.autograd.Function):
 # activation in place) does the same work as eager.
 # Why "torch" wins some cells: small shapes are host-bound (the kernels' Python/launch path
 # costs more than eager's two ops), and for erf-GELU/SiLU the cuda path is GEMM + activation
-# pass, like eager.
+# pass, like eager. Training cells below "large" are host-bound on the H200 host (a fwd+bwd of
+# linear_act costs the host 310-440 us, eager 260-290: scripts/linear_act_probe.py --host,
+# benchmarks/results/h200-2026-11-30-429d844-linear-act-probe.log), so their pick can flip
+# between runs with the host's jitter; the GPU time alone (CUDA-graph replay) favours cuda.
 _AUTO_DEFAULT = ("cuda", "triton")
 _C, _T, _E = ("cuda", "triton"), ("triton", "cuda"), ("torch",)
 _ACT_COLUMNS = ("gelu_tanh", "relu", "gelu", "silu")
 _MEASURED = {  # (dtype, bucket, training): preferences for _ACT_COLUMNS
     (torch.float16, "small", False): (_C, _C, _C, _C),
     (torch.float16, "medium", False): (_C, _C, _E, _T),
-    (torch.float16, "large", False): (_C, _C, _T, _T),
-    (torch.float16, "small", True): (_C, _C, _E, _E),
-    (torch.float16, "medium", True): (_C, _E, _C, _C),
-    (torch.float16, "large", True): (_C, _T, _C, _T),
-    (torch.bfloat16, "small", False): (_C, _C, _C, _C),
+    (torch.float16, "large", False): (_C, _T, _T, _T),
+    (torch.float16, "small", True): (_C, _E, _E, _E),
+    (torch.float16, "medium", True): (_E, _C, _C, _E),
+    (torch.float16, "large", True): (_C, _C, _C, _C),
+    (torch.bfloat16, "small", False): (_C, _C, _C, _E),
     (torch.bfloat16, "medium", False): (_C, _C, _E, _T),
-    (torch.bfloat16, "large", False): (_C, _C, _T, _E),
-    (torch.bfloat16, "small", True): (_E, _E, _E, _E),
+    (torch.bfloat16, "large", False): (_C, _C, _E, _T),
+    (torch.bfloat16, "small", True): (_E, _E, _C, _E),
     (torch.bfloat16, "medium", True): (_C, _C, _E, _E),
-    (torch.bfloat16, "large", True): (_T, _T, _T, _T),
+    (torch.bfloat16, "large", True): (_T, _E, _T, _T),
 }
 _AUTO_TABLE: dict = {(9, dtype, act, bucket, training): pref
                      for (dtype, bucket, training), prefs in _MEASURED.items()
