@@ -224,30 +224,6 @@ def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("is_rms", [False, True])
-def test_triton_interpret_fwd_persistent(is_rms, monkeypatch):
-    """The forward's persistent launch (one row a step with params: N >= 2048 by default), forced
-    on a short row: fewer programs than rows, each walking several; the outputs match the
-    reference and, bit for bit, the one-program-per-row launch (the A/B switch)."""
-    _interp()
-    from ampkernels.triton import layer_norm as tln
-    monkeypatch.setattr(tln, "_fwd_config", lambda n: (1 << (n - 1).bit_length(), 1, 4))
-    m, n = 37, 40
-    _, _, _, programs = tln._fwd_launch(n, m, torch.device("cpu"), True)
-    assert 1 < programs < m, programs
-    x, w, b = _inputs(m, n, torch.float16, "cpu", torch.float32)
-    r = randn(m, n, dtype=torch.float16)
-    _check(is_rms, x, w, b, "triton", residual=r)
-    _check(is_rms, x, w, b, "triton")
-    persistent = tln.norm_fwd(x, w, None if is_rms else b, r, 1e-5, is_rms, None, False)
-    monkeypatch.setattr(tln, "_fwd_persist", lambda: False)
-    assert tln._fwd_launch(n, m, torch.device("cpu"), True)[3] == m
-    one_per_row = tln.norm_fwd(x, w, None if is_rms else b, r, 1e-5, is_rms, None, False)
-    for a, c in zip(persistent, one_per_row):
-        assert torch.equal(a, c)
-
-
-@needs_triton
-@pytest.mark.parametrize("is_rms", [False, True])
 def test_triton_interpret_bwd_reload(is_rms, monkeypatch):
     """The backward's RELOAD path (x, dy and weight read again after the row sums: N = 16384 by
     default), forced on a short row, with every optional input; the interpreter ignores num_stages."""

@@ -8,10 +8,8 @@ torch.ops.ampkernels.norm_{fwd,bwd}_cuda ops (ampkernels/ops/layer_norm.py calls
   residual_out (fp32 if residual_in_fp32 else x.dtype); out in out_dtype (default x.dtype);
   mean (LayerNorm) and rstd saved in fp32.
 - Forward: a program owns ROWS whole rows held in registers (BLOCK_N = next_power_of_2(N)
-  up to _MAX_FWD_BLOCK); with one row a step and params it is persistent, reading the params
-  once and walking many rows (_fwd_launch; AMPKERNELS_TRITON_NORM_FWD_PERSIST=0 for the one
-  program per row launch, for A/B runs; UNMEASURED on a GPU so far); longer rows take the
-  looped kernel (one row per program, three passes over column chunks).
+  up to _MAX_FWD_BLOCK); longer rows take the looped kernel (one row per program, three
+  passes over column chunks).
 - Backward: a fixed grid of programs, each owning a contiguous chunk of rows, loops over it
   ROWS rows at a time, software-pipelined (tl.range num_stages: the next steps' x/dy loads are
   in flight as async copies into shared memory while this step is reduced); dx in dx_dtype;
@@ -45,13 +43,13 @@ _SMEM_MARGIN = 2048     # shared memory beyond the pipeline buffers (reduction s
 
 
 @triton.jit
-def _norm_fwd_step(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, start, cols, cmask, w, b,
-                   IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                   ROWS: tl.constexpr, PARAMS_HELD: tl.constexpr):
-    """Rows start .. start + ROWS - 1. PARAMS_HELD: w and b are the (1, BLOCK_N) fp32 params,
-    else W and B are read here, after the row's reductions (fewer registers live across them)."""
-    rows = start + tl.arange(0, ROWS)
+def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
+                     IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
+    cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
@@ -67,32 +65,11 @@ def _norm_fwd_step(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, start, cols, cmask,
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
     tl.store(RSTD + rows, rstd, mask=rmask)
     y = xc * rstd[:, None]
-    if not PARAMS_HELD:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] if HAS_W else 0.0
-        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] if HAS_B else 0.0
     if HAS_W:
-        y *= w
+        y *= tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
-        y += b
+        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
-                     IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PERSIST: tl.constexpr):
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    if PERSIST:
-        # weight and bias loaded once, then the program walks its rows (see _fwd_launch)
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] if HAS_W else 0.0
-        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] if HAS_B else 0.0
-        for start in range(tl.program_id(0) * ROWS, M, tl.num_programs(0) * ROWS):
-            _norm_fwd_step(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, start, cols, cmask, w, b,
-                           IS_RMS, HAS_R, HAS_W, HAS_B, ROWS, True)
-    else:  # one row step
-        _norm_fwd_step(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, tl.program_id(0) * ROWS, cols, cmask, 0.0, 0.0,
-                       IS_RMS, HAS_R, HAS_W, HAS_B, ROWS, False)
 
 
 @triton.jit
@@ -373,36 +350,15 @@ def _index(device):
 _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
 
 
-_PERSIST_ENV = "AMPKERNELS_TRITON_NORM_FWD_PERSIST"
-
-
-@functools.lru_cache(None)
-def _fwd_persist():
-    """AMPKERNELS_TRITON_NORM_FWD_PERSIST=0: one program per row step (the launch before the
-    persistent forward), for A/B runs; read once."""
-    v = os.environ.get(_PERSIST_ENV, "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{_PERSIST_ENV}={v!r}: expected 0 or 1")
-    return v == "1"
-
-
-def _fwd_launch(n, m, device, has_params):
-    """(BLOCK_N, ROWS, num_warps, programs) of the forward. Rows of 2048+ elements with params
-    (one row a step) run persistent: programs for a full SM's worth of threads (2048) per SM,
-    each reading the params once and then walking many rows, at 16 elements a thread (the fp32
-    params then stay in registers: 64-108 registers, no spills, triton 3.6 for sm_90). Why: read
-    again for every row, fp32 params cost 8 bytes of L2 reads per element against x's 2 bytes
-    of HBM, and at N = 16384 the forward ran at 1.9 TB/s against 3.6 with 16-bit params (H200,
-    d7c2ee3): L2-bound near 5 TB/s of reads either way. Several rows a step (N <= 1024) already
-    share one params read; those, and rows without params, keep one program per step."""
-    block, rows, warps = _fwd_config(n)
-    steps = triton.cdiv(m, rows)
-    if rows > 1 or not has_params or not _fwd_persist():
-        return block, rows, warps, steps
-    warps = max(warps, block // 512)
-    return block, rows, warps, min(steps, _sms(device) * max(1, 64 // warps))
-
-
+# Forward with fp32 params (the AMP case), H200 at d7c2ee3: 1.9-2.8 TB/s at N >= 2048 for
+# LayerNorm against 3.6-4.0 with 16-bit params, the same compiled registers: each row reads the
+# params again from L2 (8 bytes per element for fp32 weight + bias, against x's 2 bytes of HBM).
+# Tried and dropped at f4ecd56: a persistent launch reading the params once per program (64 /
+# num_warps programs per SM, rows walked in a loop) ran 2.0-3.1 TB/s for LayerNorm with either
+# params dtype, below this launch with 16-bit params (benchmarks/results/h200-2026-11-30-
+# f4ecd56-triton-norm-fwd-persist-ab.log), probably because more programs were launched than fit
+# by registers, leaving a low-occupancy last wave. Next to try: programs = what fits (from the
+# compiled kernel's registers), or two rows a step so that one params read serves both.
 @functools.lru_cache(None)
 def _fwd_config(n):
     """(BLOCK_N, ROWS, num_warps): several rows per program up to 4096 elements for small N."""
@@ -490,11 +446,10 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
             dummy if bias is None else bias, out, dummy if residual is None else res_out,
             rstd if is_rms else mean, rstd, M, N, eps)
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
-    block, rows, warps, programs = _fwd_launch(N, M, x.device, weight is not None or bias is not None)
+    block, rows, warps = _fwd_config(N)
     with on_device(x):
         if block <= _MAX_FWD_BLOCK:
-            _norm_fwd_kernel[(programs,)](*args, **flags, BLOCK_N=block, ROWS=rows,
-                                          PERSIST=programs < triton.cdiv(M, rows), num_warps=warps)
+            _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
         else:
             _norm_fwd_looped_kernel[(M,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=16)
     return out, res_out, mean, rstd
