@@ -142,7 +142,12 @@ def _graph_ms(fn, timing):
 # Forward: N -> [(ROWS, num_warps)], each pair one Triton compile (measured at d776080; the
 # results are in _fwd_config's comment), swept with --sweep-pass fwd or both.
 SWEEP_FWD = {768: [(2, 4), (4, 4), (4, 8), (8, 8), (8, 16)], 2048: [(1, 4), (1, 8), (2, 8), (4, 8), (4, 16)],
-             8192: [(1, 8), (1, 16), (1, 32)], 16384: [(1, 8), (1, 16), (1, 32)]}
+             4096: [(1, 8), (1, 16), (2, 16)], 8192: [(1, 8), (1, 16), (1, 32)], 16384: [(1, 8), (1, 16), (1, 32)]}
+# fp32 params (the AMP case): at d7c2ee3 its LayerNorm forward fell to 1.9-2.8 TB/s at N >= 2048
+# against 3.6-4.0 with 16-bit params, each row step reading the params again (8 bytes of L2 per
+# element); several rows a step share one read. The defaults first, then 2 and 4 rows a step.
+SWEEP_FWD_W32 = {2048: [(1, 4), (2, 8), (4, 8), (4, 16)], 4096: [(1, 8), (2, 8), (2, 16), (4, 16)],
+                 8192: [(1, 8), (2, 16), (2, 32)], 16384: [(1, 16), (2, 32)]}
 # Backward: N -> [(ROWS, num_warps, programs per SM, looped, (num_stages, ...))]; each
 # (config, num_stages) is one compile (a few seconds on the GPU machine's host: the whole
 # backward sweep is ~35 compiles). num_stages 1 is the backward before the pipelining (its
@@ -170,7 +175,8 @@ def _sweep_cases(ns, passes):
     for n in ns:
         block = triton.next_power_of_2(n)
         if "fwd" in passes:
-            cases += [(n, "fwd", "layer_norm", False, (block, rows, warps)) for rows, warps in SWEEP_FWD.get(n, ())]
+            for w32, table in ((False, SWEEP_FWD), (True, SWEEP_FWD_W32)):
+                cases += [(n, "fwd", "layer_norm", w32, (block, rows, warps)) for rows, warps in table.get(n, ())]
         if "bwd" not in passes:
             continue
         for w32, table in ((False, SWEEP_BWD), (True, SWEEP_BWD_W32)):
@@ -214,8 +220,10 @@ def _sweep_case(recorder, tln, t, n, pas, op, w32, cfg):
     fields = {}
     if pas == "fwd":
         tln._fwd_config = lambda _n: cfg
-        fn = functools.partial(tln.norm_fwd, t.x, t.w, t.b, None, EPS, False, None, False)
-        provider, nbytes = f"sweep-triton-r{cfg[1]}-w{cfg[2]}", 2 * m * n * 2
+        w, b = (t.w32, t.b32) if w32 else (t.w, t.b)
+        fn = functools.partial(tln.norm_fwd, t.x, w, b, None, EPS, False, None, False)
+        provider, nbytes = f"sweep-triton-r{cfg[1]}-w{cfg[2]}{'-w32' if w32 else ''}", 2 * m * n * t.x.element_size()
+        fields = {"param_dtype": str(w.dtype)[6:]}
     else:
         tln._bwd_config = lambda _n: cfg
         is_rms = op == "rms_norm"
