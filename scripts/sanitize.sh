@@ -23,14 +23,14 @@ summary="$OUT/sanitizer.txt"
 export AMPKERNELS_TRITON_AUTOTUNE=0
 # compile the Triton kernels once outside the tool (it slows the compiler down tenfold);
 # the runs below load them from Triton's cache
-python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { cat "$logs/warmup.log"; exit 1; }
+SANITIZER_OPS="norms linear_act mlp" python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { cat "$logs/warmup.log"; exit 1; }
 case " $BACKENDS " in *" triton "*)  # the initcheck control below runs Triton without TMA too
-  AMPKERNELS_TRITON_TMA=0 SANITIZER_OPS=linear_act python3 scripts/sanitize_cases.py triton >>"$logs/warmup.log" 2>&1 ;; esac
+  AMPKERNELS_TRITON_TMA=0 SANITIZER_OPS="linear_act mlp" python3 scripts/sanitize_cases.py triton >>"$logs/warmup.log" 2>&1 ;; esac
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the tool see each allocation's real bounds
-run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act" or both ("all")
+run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", several quoted, or "all"
   local tool=$1 ops=$2; shift 2
-  local log="$logs/$tool-$ops-${*// /-}${AMPKERNELS_TRITON_TMA:+-tma$AMPKERNELS_TRITON_TMA}.log" extra="" t0=$SECONDS
-  [ "$ops" = all ] && ops="norms linear_act"
+  local log="$logs/$tool-${ops// /+}-${*// /-}${AMPKERNELS_TRITON_TMA:+-tma$AMPKERNELS_TRITON_TMA}.log" extra="" t0=$SECONDS
+  [ "$ops" = all ] && ops="norms linear_act mlp"
   [ "$tool" = memcheck ] && extra="--leak-check full"
   [ "$tool" = initcheck ] && extra="--print-limit 1000000 --show-backtrace no"  # count every report
   SANITIZER_OPS="$ops" timeout "${SANITIZER_TIMEOUT:-600}" "$SAN" --tool "$tool" $extra --target-processes all \
@@ -46,11 +46,11 @@ run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act" or both ("all")
 for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
   if [ "$tool" = initcheck ]; then
     run initcheck norms $BACKENDS
-    run initcheck linear_act $BACKENDS
-    run initcheck linear_act torch
+    run initcheck "linear_act mlp" $BACKENDS
+    run initcheck "linear_act mlp" torch
     # Triton with plain stores instead of TMA descriptors: if the tool misses TMA-store writes,
     # the reports of the Triton run above vanish here
-    case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 run initcheck linear_act triton ;; esac
+    case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 run initcheck "linear_act mlp" triton ;; esac
   else
     run "$tool" all $BACKENDS
   fi
