@@ -68,7 +68,7 @@
 // into 2 stages, persistent blocks). Measured at ae7a2f1 on the H200 against the kernels here in
 // the same build (benchmarks/results/h200-2026-11-30-ae7a2f1-norm-ab.log): 2.0-3.5 TB/s vs
 // 2.7-4.0, slower at every N, dtype and norm; the forward needs no row-ahead overlap because many
-// register-tile blocks per SM already keep enough loads in flight. Its code is on branch `next`.
+// register-tile blocks per SM already keep enough loads in flight. Its code: git show 1ce7948.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
