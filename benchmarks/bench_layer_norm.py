@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
-from .common import bench, first_call_s, guard, progress, standalone_main
+from .common import bench, first_call_s, graph_replay_ms, guard, progress, standalone_main
 
 NS = (768, 1024, 2048, 4096, 8192, 16384)
 QUICK_NS = (768, 2048, 8192, 16384)
@@ -111,7 +111,7 @@ def _fwd(recorder, op, provider, fn, x, w, b, n, quick, autocast=None, **fields)
     fields["first_call_s"] = first_call_s(fwd)  # compile / warm up outside the timing, reported apart
     if provider.startswith("ampkernels-"):
         # the same forward replayed from a CUDA graph: the kernels without host time (diagnostic)
-        fields["graph_TBps"] = round(2 * m * n * e / _graph_ms(fwd, timing) / 1e9, 3)
+        fields["graph_TBps"] = round(2 * m * n * e / graph_replay_ms(fwd, **timing) / 1e9, 3)
     _record(recorder, op, provider, "fwd", x.dtype, n, m, bench(fwd, **timing), 2 * m * n * e, **fields)
 
 
@@ -125,18 +125,6 @@ def _bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, **fie
     fields["first_call_s"] = first_call_s(functools.partial(out.backward, dy, retain_graph=True))
     ms = bench(functools.partial(out.backward, dy, retain_graph=True), grad_to_none=leaves, **_timing(quick))
     _record(recorder, op, provider, "bwd", x.dtype, n, m, ms, 3 * m * n * e, **fields)
-
-
-def _graph_ms(fn, timing):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay, **timing)[0]
 
 
 # Forward: N -> [(ROWS, num_warps)], each pair one Triton compile (measured at d776080; the

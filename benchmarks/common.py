@@ -5,13 +5,16 @@ A row: {op, provider, shape..., dtype, pass (fwd|bwd|fwd_bwd), metric, value, ms
 ms_p80, gpu, cc, torch, cuda, triton, commit, time}; rows of a public provider (providers.py)
 also carry provider_version. Plots and reports read these rows.
 """
+import cProfile
 import csv
 import datetime
 import functools
 import json
 import os
+import pstats
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -53,6 +56,39 @@ def cuda_step_peak(step, warmup=2):
     step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
+
+
+def graph_replay_ms(fn, **timing):
+    """Median ms of fn captured once in a CUDA graph and replayed: its GPU time without the
+    host's work per call (fn is run once on a side stream first: autotuning, plans, caches)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay, **timing)[0]
+
+
+def host_profile(fn, calls, sleep_cycles):
+    """(host seconds per call, pstats.Stats of `calls` more calls): fn is enqueued behind a GPU
+    busy-wait of sleep_cycles (long enough for both batches), so the host never waits for the
+    GPU and the time is the host's own."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(sleep_cycles)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    return host, pstats.Stats(prof)
 
 
 def bench(fn, *, warmup=25, rep=100, grad_to_none=None):

@@ -342,8 +342,6 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
 // multiples of 8, K = 0) run the explicit fallback: at::mm (cuBLAS, any alignment) + the
 // bias_act kernel.
 
-constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;  // ours, where torch has no cuBLASLt workspace to lend
-
 bool lt_aligned(const at::Tensor& t) {
   return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
@@ -361,7 +359,8 @@ bool try_lt(const LtGemm& gemm, const at::Tensor& like) {
   void* const workspace_ptr = at::cuda::getCUDABlasLtWorkspace();
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
 #else
-  // from the caching allocator: stream-ordered, so freeing it after the async launch is safe
+  // ours, from the caching allocator: stream-ordered, so freeing it after the async launch is safe
+  constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
   const at::Tensor workspace = at::empty({int64_t(kLtWorkspaceBytes)}, like.options().dtype(at::kByte));
   void* const workspace_ptr = workspace.data_ptr();
   const size_t workspace_size = kLtWorkspaceBytes;

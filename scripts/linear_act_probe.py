@@ -5,13 +5,11 @@ the host time per call (enqueued behind a long GPU sleep, so the host never wait
 functions with the most own host time under cProfile.
     python scripts/linear_act_probe.py [M K N] [--host]
 """
-import cProfile
 import functools
-import pstats
 import sys
-import time
 
 import torch
+from ampkernels.benchmarks.common import graph_replay_ms, host_profile
 from triton.testing import do_bench
 
 import ampkernels
@@ -29,45 +27,21 @@ xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
 dy = torch.randn(M, N, device="cuda", dtype=dtype)
 
 
-def graph_ms(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm (autotune, plans) outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=25, rep=200)
-
-
 def report(label, fn, flops):
     try:
         fn()
-        eager, graph = do_bench(fn, warmup=25, rep=200), graph_ms(fn)
+        eager, graph = do_bench(fn, warmup=25, rep=200), graph_replay_ms(fn, warmup=25, rep=200)
         print(f"  {label}: called {flops / eager / 1e9:.0f} TFLOP/s ({eager * 1e3:.1f} us),"
               f" graph {flops / graph / 1e9:.0f} ({graph * 1e3:.1f} us)", flush=True)
         if HOST:
-            host_profile(fn)
+            print_host_profile(fn)
     except Exception as e:  # noqa: BLE001 (a probe: say what failed and go on)
         print(f"  {label}: {type(e).__name__}: {e}", flush=True)
 
 
-def host_profile(fn, calls=20):
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # seconds of GPU work ahead of the calls: the host never waits
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
+def print_host_profile(fn, calls=20):
+    host, stats = host_profile(fn, calls, 2_000_000_000)  # ~1 s of GPU sleep ahead of the calls
     print(f"    host {host * 1e6:.0f} us per call; own host time, top functions over {calls} calls:")
-    stats = pstats.Stats(prof)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]
     for (file, line, name), (_, ncalls, tottime, cumtime, _) in rows:
         print(f"      {tottime / calls * 1e6:7.1f} us own {cumtime / calls * 1e6:7.1f} us cum {ncalls // calls:3d}x"

@@ -12,11 +12,9 @@ Per variant:
 """
 import argparse
 import copy
-import cProfile
-import pstats
-import time
 
 import torch
+from ampkernels.benchmarks.common import host_profile
 from torch.profiler import ProfilerActivity, profile
 
 import ampkernels.nn as aknn
@@ -58,21 +56,9 @@ def host_time(name, step):
     stop.record()
     torch.cuda.synchronize()
     gpu_ms = start.elapsed_time(stop) / STEPS
-    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU busy-wait: the host never blocks below
-    t0 = time.perf_counter()
-    for _ in range(HOST_STEPS):
-        step()
-    host_ms = (time.perf_counter() - t0) * 1e3 / HOST_STEPS
-    torch.cuda.synchronize()
-    print(f"\n== {name}: {gpu_ms:.3f} ms/step back to back, host {host_ms:.3f} ms/step")
-    torch.cuda._sleep(400_000_000)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(HOST_STEPS):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+    host, stats = host_profile(step, HOST_STEPS, 800_000_000)  # ~0.4 s of GPU sleep ahead of the steps
+    print(f"\n== {name}: {gpu_ms:.3f} ms/step back to back, host {host * 1e3:.3f} ms/step")
+    stats.sort_stats("tottime").print_stats(16)
 
 
 print(f"T={T} H={H} {dtype}")
