@@ -35,7 +35,7 @@ def _providers(hidden):
     aknn.convert(converted, norm_out_dtype="autocast")  # the norm feeds a matmul: emit fp16/bf16
     fused = torch.nn.Sequential(aknn.LayerNorm(hidden, out_dtype="autocast"),
                                 aknn.FusedMLP(hidden, 4 * hidden, activation="gelu_tanh"))
-    fused.load_state_dict(_fused_keys(eager.state_dict()))
+    fused.load_state_dict(fused_block_state_dict(eager.state_dict()))
     fused.cuda()
     return [("fp32", eager, None), ("amp_fp16", eager, torch.float16), ("amp_bf16", eager, torch.bfloat16),
             ("amp_fp16_compile", "compile", torch.float16),
@@ -45,8 +45,8 @@ def _providers(hidden):
             ("ampkernels_fusedmlp_bf16", fused, torch.bfloat16)], eager
 
 
-def _fused_keys(sd):
-    # Sequential(LN, Lin, act, Lin) -> Sequential(LN, FusedMLP(Lin, act, Lin))
+def fused_block_state_dict(sd):
+    """Sequential(LN, Linear, act, Linear)'s state_dict keyed for Sequential(LN, FusedMLP)."""
     return {("0." + k[2:]) if k.startswith("0.") else f"1.{int(k[0]) - 1}.{k[2:]}": v for k, v in sd.items()}
 
 

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from benchmarks.bench_mlp import fused_block_state_dict
 from benchmarks.common import cuda_step_peak
 
 
@@ -189,8 +190,7 @@ def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_
         elif dev.type == "cuda":
             block = torch.nn.Sequential(aknn.LayerNorm(hidden, out_dtype="autocast"),
                                         aknn.FusedMLP(hidden, 4 * hidden, activation=activation, backend=backend))
-            block.load_state_dict({("0." + k[2:]) if k.startswith("0.") else f"1.{int(k[0]) - 1}.{k[2:]}": v
-                                   for k, v in eager.state_dict().items()})
+            block.load_state_dict(fused_block_state_dict(eager.state_dict()))
             block.to(dev)
         elif ln == "kernel":
             ln_ = eager[0]
