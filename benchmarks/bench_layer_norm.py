@@ -164,7 +164,9 @@ def _sweep_cases(ns, passes):
         block = triton.next_power_of_2(n)
         if "fwd" in passes:
             for w32, table in ((False, SWEEP_FWD), (True, SWEEP_FWD_W32)):
-                cases += [(n, "fwd", "layer_norm", w32, (block, rows, warps)) for rows, warps in table.get(n, ())]
+                # each with and without the L2 eviction hints (EVICT)
+                cases += [(n, "fwd", "layer_norm", w32, (block, rows, warps, evict))
+                          for rows, warps in table.get(n, ()) for evict in (False, True)]
         if "bwd" not in passes:
             continue
         for w32, table in ((False, SWEEP_BWD), (True, SWEEP_BWD_W32)):
@@ -210,7 +212,8 @@ def _sweep_case(recorder, tln, t, n, pas, op, w32, cfg):
         tln._fwd_config = lambda _n: cfg
         w, b = (t.w32, t.b32) if w32 else (t.w, t.b)
         fn = functools.partial(tln.norm_fwd, t.x, w, b, None, EPS, False, None, False)
-        provider, nbytes = f"sweep-triton-r{cfg[1]}-w{cfg[2]}{'-w32' if w32 else ''}", 2 * m * n * t.x.element_size()
+        provider = f"sweep-triton-r{cfg[1]}-w{cfg[2]}{'-evict' if cfg[3] else ''}{'-w32' if w32 else ''}"
+        nbytes = 2 * m * n * t.x.element_size()
         fields = {"param_dtype": str(w.dtype)[6:]}
     else:
         tln._bwd_config = lambda _n: cfg

@@ -45,16 +45,19 @@ _SMEM_MARGIN = 2048     # shared memory beyond the pipeline buffers (reduction s
 @triton.jit
 def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
                      IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, EVICT: tl.constexpr):
+    # EVICT: x and residual are read once (evict first from L2), the params by every row (evict last)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x_policy: tl.constexpr = "evict_first" if EVICT else ""
+    p_policy: tl.constexpr = "evict_last" if EVICT else ""
+    x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy=x_policy).to(tl.float32)
     if HAS_R:
-        x += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(R + offs, mask=mask, other=0.0, eviction_policy=x_policy).to(tl.float32)
         tl.store(RO + offs, x.to(RO.dtype.element_ty), mask=mask)
     if IS_RMS:
         xc = x
@@ -66,9 +69,9 @@ def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
     tl.store(RSTD + rows, rstd, mask=rmask)
     y = xc * rstd[:, None]
     if HAS_W:
-        y *= tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y *= tl.load(W + cols, mask=cmask, other=0.0, eviction_policy=p_policy).to(tl.float32)[None, :]
     if HAS_B:
-        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y += tl.load(B + cols, mask=cmask, other=0.0, eviction_policy=p_policy).to(tl.float32)[None, :]
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -361,11 +364,11 @@ _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
 # compiled kernel's registers), or two rows a step so that one params read serves both.
 @functools.lru_cache(None)
 def _fwd_config(n):
-    """(BLOCK_N, ROWS, num_warps): several rows per program up to 4096 elements for small N."""
+    """(BLOCK_N, ROWS, num_warps, EVICT): several rows per program up to 4096 elements for small N."""
     block = triton.next_power_of_2(n)
     if block <= 1024:
-        return block, min(64, max(1, 4096 // block)), 4
-    return block, 1, 4 if block <= 2048 else 8 if block <= 8192 else 16
+        return block, min(64, max(1, 4096 // block)), 4, False
+    return block, 1, 4 if block <= 2048 else 8 if block <= 8192 else 16, False
 
 
 @functools.lru_cache(None)
@@ -446,10 +449,11 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
             dummy if bias is None else bias, out, dummy if residual is None else res_out,
             rstd if is_rms else mean, rstd, M, N, eps)
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
-    block, rows, warps = _fwd_config(N)
+    block, rows, warps, evict = _fwd_config(N)
     with on_device(x):
         if block <= _MAX_FWD_BLOCK:
-            _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
+            _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, EVICT=evict,
+                                                      num_warps=warps)
         else:
             _norm_fwd_looped_kernel[(M,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=16)
     return out, res_out, mean, rstd
