@@ -45,19 +45,16 @@ _SMEM_MARGIN = 2048     # shared memory beyond the pipeline buffers (reduction s
 @triton.jit
 def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
                      IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, EVICT: tl.constexpr):
-    # EVICT: x and residual are read once (evict first from L2), the params by every row (evict last)
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x_policy: tl.constexpr = "evict_first" if EVICT else ""
-    p_policy: tl.constexpr = "evict_last" if EVICT else ""
-    x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy=x_policy).to(tl.float32)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_R:
-        x += tl.load(R + offs, mask=mask, other=0.0, eviction_policy=x_policy).to(tl.float32)
+        x += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(RO + offs, x.to(RO.dtype.element_ty), mask=mask)
     if IS_RMS:
         xc = x
@@ -69,9 +66,9 @@ def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
     tl.store(RSTD + rows, rstd, mask=rmask)
     y = xc * rstd[:, None]
     if HAS_W:
-        y *= tl.load(W + cols, mask=cmask, other=0.0, eviction_policy=p_policy).to(tl.float32)[None, :]
+        y *= tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
-        y += tl.load(B + cols, mask=cmask, other=0.0, eviction_policy=p_policy).to(tl.float32)[None, :]
+        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -353,22 +350,35 @@ def _index(device):
 _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
 
 
-# Forward with fp32 params (the AMP case), H200 at d7c2ee3: 1.9-2.8 TB/s at N >= 2048 for
-# LayerNorm against 3.6-4.0 with 16-bit params, the same compiled registers: each row reads the
-# params again from L2 (8 bytes per element for fp32 weight + bias, against x's 2 bytes of HBM).
+# Forward launch, swept on the H200 at 478ab5c (bench_layer_norm --sweep --sweep-pass fwd, fp16
+# and bf16, LayerNorm, M*N = 2^27; benchmarks/results/h200x2-2026-11-30-478ab5c-norm-fwd-sweep.jsonl):
+# - 16-bit params: one row per program from N = 2048, 4 warps at 2048 and 8 above (3.6-4.0
+#   TB/s); 8 warps at N = 16384 ran 3.74-3.80 against 3.52-3.80 with 16.
+# - fp32 params with 16-bit x (the AMP case): each row step reads the params again from L2, 8
+#   bytes per element against x's 2 of HBM, so several rows a step share one read: at N = 2048
+#   4 rows / 8 warps (3.53 against 2.82 for the 16-bit launch), at 4096 2 rows / 8 warps (3.55
+#   against 2.71). From 8192 two rows take too many registers (2.0-2.2) and one row with 32 warps
+#   is best (8192: 2.72-2.94 against 2.50; 16384: 2.32-2.41 against 1.85), still behind the CUDA
+#   kernel (3.2 / 2.7), which "auto" runs for this case.
+# - L2 eviction hints (x evict-first, params evict-last) were timed with every config: 0-3%
+#   slower, 33% at one; not kept.
 # Tried and dropped at f4ecd56: a persistent launch reading the params once per program (64 /
 # num_warps programs per SM, rows walked in a loop) ran 2.0-3.1 TB/s for LayerNorm with either
-# params dtype, below this launch with 16-bit params (benchmarks/results/h200-2026-11-30-
-# f4ecd56-triton-norm-fwd-persist-ab.log), probably because more programs were launched than fit
-# by registers, leaving a low-occupancy last wave. Next to try: programs = what fits (from the
-# compiled kernel's registers), or two rows a step so that one params read serves both.
+# params dtype (benchmarks/results/h200-2026-11-30-f4ecd56-triton-norm-fwd-persist-ab.log),
+# probably because more programs were launched than fit by registers, leaving a low-occupancy
+# last wave.
+_FWD_WIDE_PARAMS = {2048: (4, 8), 4096: (2, 8)}  # BLOCK_N -> (ROWS, num_warps); (1, 32) above
+
+
 @functools.lru_cache(None)
-def _fwd_config(n):
-    """(BLOCK_N, ROWS, num_warps, EVICT): several rows per program up to 4096 elements for small N."""
+def _fwd_config(n, wide_params=False):
+    """(BLOCK_N, ROWS, num_warps) for rows of n elements; wide_params: fp32 params, 16-bit x."""
     block = triton.next_power_of_2(n)
-    if block <= 1024:
-        return block, min(64, max(1, 4096 // block)), 4, False
-    return block, 1, 4 if block <= 2048 else 8 if block <= 8192 else 16, False
+    if block <= 1024:  # several rows per program, up to 4096 elements
+        return block, min(64, max(1, 4096 // block)), 4
+    if wide_params:
+        return block, *_FWD_WIDE_PARAMS.get(block, (1, 32))
+    return block, 1, 4 if block <= 2048 else 8
 
 
 @functools.lru_cache(None)
@@ -449,11 +459,11 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
             dummy if bias is None else bias, out, dummy if residual is None else res_out,
             rstd if is_rms else mean, rstd, M, N, eps)
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
-    block, rows, warps, evict = _fwd_config(N)
+    wide_params = x.element_size() == 2 and weight is not None and weight.element_size() == 4
+    block, rows, warps = _fwd_config(N, wide_params)
     with on_device(x):
         if block <= _MAX_FWD_BLOCK:
-            _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, EVICT=evict,
-                                                      num_warps=warps)
+            _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
         else:
             _norm_fwd_looped_kernel[(M,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=16)
     return out, res_out, mean, rstd
