@@ -37,7 +37,7 @@ run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", several q
     python3 scripts/sanitize_cases.py "$@" >"$log" 2>&1
   local rc=$?
   local line
-  line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|sanitize case" "$log" | tail -3 | tr '\n' ' ')
+  line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|sanitize case" "$log" | tail -4 | tr '\n' ' ')
   echo "$tool $ops [$*]${AMPKERNELS_TRITON_TMA:+ AMPKERNELS_TRITON_TMA=$AMPKERNELS_TRITON_TMA}: rc=$rc $((SECONDS - t0))s ${line:-no summary}" | tee -a "$summary"
   # error kind + the kernel it names, counted
   awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=$0} /^=========     at / && kind {print kind " | " substr($0, 1, 160); kind=""}' \
@@ -46,11 +46,16 @@ run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", several q
 for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
   if [ "$tool" = initcheck ]; then
     run initcheck norms $BACKENDS
-    run initcheck "linear_act mlp" $BACKENDS
-    run initcheck "linear_act mlp" torch
-    # Triton with plain stores instead of TMA descriptors: if the tool misses TMA-store writes,
-    # the reports of the Triton run above vanish here
-    case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 run initcheck "linear_act mlp" triton ;; esac
+    for ops in linear_act mlp; do
+      run initcheck $ops $BACKENDS
+      run initcheck $ops torch
+      # Triton with plain stores instead of TMA descriptors: if the tool misses TMA-store writes,
+      # the reports of the Triton run above vanish here (for mlp, but for the reads of what
+      # cuBLAS wrote: its backward's dh = dout @ W2 is a torch matmul, read by the act' kernel)
+      case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 run initcheck $ops triton ;; esac
+    done
+  elif [ "$tool" = racecheck ]; then  # the slowest tool: one run per backend, each with its own timeout
+    for backend in $BACKENDS; do run racecheck all "$backend"; done
   else
     run "$tool" all $BACKENDS
   fi
