@@ -63,13 +63,14 @@ def linear_act_cases(backend, dtype, tol):
 
 
 def mlp_cases(backend, dtype, tol):
-    # fused_mlp's backward applies act' in place on its own dh (act_backward_cuda_, Triton out=dy)
-    from ampkernels.ops.mlp import FusedMLPFunction
+    # fused_mlp's backward applies act' in place on its own dh (act_backward_cuda_, Triton out=dy).
+    # Through the public function, which loads the extension ("torch": the eager block)
+    from ampkernels.ops.mlp import fused_mlp
     for (m, k, h) in ((1, 16, 40), (33, 13, 8), (70, 64, 200)):
         for activation in ampkernels.ACTIVATIONS:
             t = lambda *s: (0.5 * torch.randn(*s, device=dev)).to(dtype).requires_grad_()
             x, w1, b1, w2, b2 = t(m, k), t(h, k), t(h), t(k, h), t(k)
-            out = FusedMLPFunction.apply(x, w1, b1, w2, b2, activation, backend)
+            out = fused_mlp(x, w1, b1, w2, b2, activation, backend=backend)
             d = [v.detach() for v in (x, w1, b1, w2, b2)]
             want = reference.linear_act(reference.linear_act(*d[:3], activation), d[3], d[4], "identity")
             check(f"{backend} fused_mlp {activation} {dtype} {m}x{k}x{h}", out, want, 4 * tol)
