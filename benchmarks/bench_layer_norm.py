@@ -134,7 +134,7 @@ SWEEP_FWD = {768: [(2, 4), (4, 4), (4, 8), (8, 8), (8, 16)], 2048: [(1, 4), (1, 
 # fp32 params with 16-bit x (the AMP case): each row step reads the params again from L2, so
 # several rows a step share one read. The defaults first (measured at 478ab5c), then the others.
 SWEEP_FWD_W32 = {2048: [(4, 8), (1, 4), (2, 8), (4, 16)], 4096: [(2, 8), (1, 8), (2, 16), (4, 16)],
-                 8192: [(1, 32), (1, 8), (2, 16)], 16384: [(1, 32), (1, 16), (2, 32)]}
+                 8192: [(1, 8), (2, 16), (2, 32)], 16384: [(2, 32), (1, 16)]}
 # Backward: N -> [(ROWS, num_warps, programs per SM, looped, (num_stages, ...))]; each
 # (config, num_stages) is one compile (a few seconds on the GPU machine's host: the whole
 # backward sweep is ~35 compiles). num_stages 1 is the backward before the pipelining (its

@@ -328,6 +328,17 @@ def test_bench_sweep_times_the_default_and_the_previous_bwd_launch(monkeypatch):
         tln._bwd_stages_override.cache_clear()
 
 
+def test_triton_fwd_config_for_every_row_length_and_params_dtype():
+    """A launch for any N, 16-bit or fp32 params (rows longer than _MAX_FWD_BLOCK take the looped
+    kernel, which ignores the config, but the lookup must not fail for them)."""
+    pytest.importorskip("triton")
+    from ampkernels.triton import layer_norm as tln
+    for n in (1, 7, 768, 1000, 2048, 3000, 8191, 16384, 16385, 65536):
+        for wide in (False, True):
+            block, rows, warps = tln._fwd_config(n, wide)
+            assert block >= n and block & (block - 1) == 0 and rows >= 1 and warps in (4, 8, 16, 32), (n, wide)
+
+
 def test_bench_sweep_fwd_covers_the_default_for_both_param_dtypes():
     """--sweep-pass fwd: at each N of the fp32-params table the default forward config is timed
     with 16-bit and with fp32 params, beside the several-rows-a-step alternatives."""

@@ -357,9 +357,11 @@ _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
 # - fp32 params with 16-bit x (the AMP case): each row step reads the params again from L2, 8
 #   bytes per element against x's 2 of HBM, so several rows a step share one read: at N = 2048
 #   4 rows / 8 warps (3.53 against 2.82 for the 16-bit launch), at 4096 2 rows / 8 warps (3.55
-#   against 2.71). From 8192 two rows take too many registers (2.0-2.2) and one row with 32 warps
-#   is best (8192: 2.72-2.94 against 2.50; 16384: 2.32-2.41 against 1.85), still behind the CUDA
-#   kernel (3.2 / 2.7), which "auto" runs for this case.
+#   against 2.71), at 16384 2 rows / 32 warps (2.28-2.30 against 1.85). At 8192 the 16-bit
+#   launch stays best (2.50; two rows 2.0-2.2). One row with 32 warps (not in the sweep for
+#   these params, picked by mistake at c8c1d90) ran 1.33 at 8192 and 1.79 at 16384 in the
+#   benchmark at 9692629. All still behind the CUDA kernel at N >= 8192 (3.2 / 2.7), which
+#   "auto" runs for this case.
 # - L2 eviction hints (x evict-first, params evict-last) were timed with every config: 0-3%
 #   slower, 33% at one; not kept.
 # Tried and dropped at f4ecd56: a persistent launch reading the params once per program (64 /
@@ -367,7 +369,7 @@ _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
 # params dtype (benchmarks/results/h200-2026-11-30-f4ecd56-triton-norm-fwd-persist-ab.log),
 # probably because more programs were launched than fit by registers, leaving a low-occupancy
 # last wave.
-_FWD_WIDE_PARAMS = {2048: (4, 8), 4096: (2, 8)}  # BLOCK_N -> (ROWS, num_warps); (1, 32) above
+_FWD_WIDE_PARAMS = {2048: (4, 8), 4096: (2, 8), 8192: (1, 8), 16384: (2, 32)}  # BLOCK_N -> (ROWS, num_warps)
 
 
 @functools.lru_cache(None)
@@ -376,8 +378,8 @@ def _fwd_config(n, wide_params=False):
     block = triton.next_power_of_2(n)
     if block <= 1024:  # several rows per program, up to 4096 elements
         return block, min(64, max(1, 4096 // block)), 4
-    if wide_params:
-        return block, *_FWD_WIDE_PARAMS.get(block, (1, 32))
+    if wide_params and block in _FWD_WIDE_PARAMS:  # (longer rows take the looped kernel)
+        return block, *_FWD_WIDE_PARAMS[block]
     return block, 1, 4 if block <= 2048 else 8
 
 
