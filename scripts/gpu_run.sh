@@ -14,8 +14,10 @@
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
-# On a machine with several GPUs the benchmark modules run in parallel, one process per module
-# queued round-robin over the GPUs (BENCH_SPREAD=0: one process); their rows are merged.
+# BENCH_SPREAD=1 on a machine with several GPUs runs the benchmark modules in parallel, one
+# process per module queued round-robin over the GPUs, rows merged. Off by default: at 9692629
+# the host load of one process (autotuning, torch.compile) slowed the other's host-bound rows
+# (Triton-launched norm backwards, the MLP block, GPT-2) by 15-60% while GPU-bound rows matched.
 # TESTS_TIMEOUT / BENCH_TIMEOUT (seconds) cap those steps so that one call fits its limit;
 # what ran before the cap stays in the logs and results.jsonl.
 # More than 8 files under $OUT: the *.log files go into one logs.tar.gz (8 files come back).
@@ -97,7 +99,7 @@ bench_spread() {  # one benchmark module per process, queued round-robin over th
 }
 if [ "${GPU_BENCH:-all}" != none ]; then
   ngpu=$(nvidia-smi -L | wc -l)
-  if [ "$ngpu" -gt 1 ] && [ "${BENCH_SPREAD:-1}" = 1 ]; then
+  if [ "$ngpu" -gt 1 ] && [ "${BENCH_SPREAD:-0}" = 1 ]; then
     step bench bench.log bench_spread "${GPU_BENCH:-all}"
   else
     # shellcheck disable=SC2086
