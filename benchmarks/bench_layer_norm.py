@@ -127,10 +127,16 @@ def _bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, **fie
     _record(recorder, op, provider, "bwd", x.dtype, n, m, ms, 3 * m * n * e, **fields)
 
 
-# Forward: N -> [(ROWS, num_warps)], each pair one Triton compile (measured at d776080; the
-# results are in _fwd_config's comment), swept with --sweep-pass fwd or both.
-SWEEP_FWD = {768: [(2, 4), (4, 4), (4, 8), (8, 8), (8, 16)], 2048: [(1, 4), (1, 8), (2, 8), (4, 8), (4, 16)],
-             4096: [(1, 8), (1, 16), (2, 16)], 8192: [(1, 8), (1, 16), (1, 32)], 16384: [(1, 8), (1, 16), (1, 32)]}
+# Forward: N -> [(ROWS, num_warps)], each pair one Triton compile (measured at d776080 and
+# 478ab5c; the results are in _fwd_config's comment), swept with --sweep-pass fwd or both.
+# Not yet measured: one or two warps a row at N <= 1024 (torch.compile's persistent reduction
+# takes one warp per row there, torch/_inductor/heuristics/triton_codegen/reduction.py
+# _persistent_inner_config, and its forward ran 4.04-4.08 TB/s against our 3.74-3.94 at
+# 9692629: a warp-only reduction needs no shared memory or barrier), and 4 warps from 4096.
+SWEEP_FWD = {768: [(4, 4), (2, 4), (4, 8), (8, 8), (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (8, 4)],
+             1024: [(4, 4), (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (8, 4)],
+             2048: [(1, 4), (1, 8), (2, 8), (4, 8), (1, 2), (2, 4)],
+             4096: [(1, 8), (1, 16), (2, 16), (1, 4)], 8192: [(1, 8), (1, 16), (1, 4)], 16384: [(1, 8), (1, 16)]}
 # fp32 params with 16-bit x (the AMP case): each row step reads the params again from L2, so
 # several rows a step share one read. The defaults first (measured at 478ab5c), then the others.
 SWEEP_FWD_W32 = {2048: [(4, 8), (1, 4), (2, 8), (4, 16)], 4096: [(2, 8), (1, 8), (2, 16), (4, 16)],
