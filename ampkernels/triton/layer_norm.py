@@ -287,8 +287,12 @@ def _norm_bwd_looped_kernel(DY, X, W, MEAN, RSTD, DRO, DX, DRES, DW_P, DB_P, M, 
 
 
 @triton.jit
-def _col_sum_kernel(P, OUT, num_rows, N, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # OUT[c] = sum over r of P[r, c] in a fixed order (a fixed tile walk, then a fixed tree)
+def _col_sum_kernel(P, OUT0, OUT1, num_rows, N, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # OUTk[c] = sum over r of P[k, r, c] in a fixed order (a fixed tile walk, then a fixed tree);
+    # k = program_id(1): dweight and dbias in one launch (a launch costs the host more than
+    # this kernel costs the GPU)
+    k = tl.program_id(1)
+    P += k.to(tl.int64) * num_rows * N
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < N
     acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
@@ -296,7 +300,10 @@ def _col_sum_kernel(P, OUT, num_rows, N, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
         rows = r0 + tl.arange(0, BLOCK_R)
         m = (rows < num_rows)[:, None] & cmask[None, :]
         acc += tl.load(P + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=m, other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)
+    if k == 0:
+        tl.store(OUT0 + cols, tl.sum(acc, axis=0).to(OUT0.dtype.element_ty), mask=cmask)
+    else:
+        tl.store(OUT1 + cols, tl.sum(acc, axis=0).to(OUT1.dtype.element_ty), mask=cmask)
 
 
 @functools.lru_cache(None)
@@ -491,12 +498,14 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
     progs = min(triton.cdiv(M, rows), _sms(x.device) * per_sm)
     rows_per_prog = triton.cdiv(triton.cdiv(M, progs), rows) * rows
     progs = triton.cdiv(M, rows_per_prog)
-    dw_p = torch.empty((progs if want_dweight else 0, N), dtype=torch.float32, device=x.device)
-    db_p = torch.empty((progs if want_dbias else 0, N), dtype=torch.float32, device=x.device)
     dummy = x
+    # the programs' fp32 partial rows: [dweight's, then dbias's], each (progs, N)
+    partials = torch.empty((want_dweight + want_dbias, progs, N), dtype=torch.float32, device=x.device)
+    dw_p = partials[0] if want_dweight else dummy
+    db_p = partials[-1] if want_dbias else dummy
     args = (dy, x, dummy if weight is None else weight, rstd if is_rms else mean, rstd,
             dummy if dresidual_out is None else dresidual_out, dx, dres if dres.numel() else dummy,
-            dw_p if want_dweight else dummy, db_p if want_dbias else dummy, M, N, rows_per_prog)
+            dw_p, db_p, M, N, rows_per_prog)
     flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DRO=dresidual_out is not None,
                  HAS_DRES=dres.numel() > 0, WANT_DW=want_dweight, WANT_DB=want_dbias)
     with on_device(x):
@@ -505,8 +514,9 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
         else:
             _norm_bwd_kernel[(progs,)](*args, **flags, BLOCK_N=block, ROWS=rows, STAGES=stages,
                                        RELOAD=block > _MAX_BWD_BLOCK, MASKED=rows > 1 or block != N, num_warps=warps)
-        for p, out in ((dw_p, dw), (db_p, db)):
-            if out.numel():
-                _col_sum_kernel[(triton.cdiv(N, 128),)](p, out, progs, N, BLOCK_R=16, BLOCK_C=128, num_warps=4)
+        if partials.shape[0]:
+            first, last = (dw if want_dweight else db), (db if want_dbias else dw)
+            _col_sum_kernel[(triton.cdiv(N, 128), partials.shape[0])](partials, first, last, progs, N, BLOCK_R=16,
+                                                                     BLOCK_C=128, num_warps=4)
     return dx, dres, dw, db
 
