@@ -215,7 +215,9 @@ def _sweep_case(recorder, tln, t, n, pas, op, w32, cfg):
         tln._fwd_config = lambda _n, _wide_params=False: cfg
         w, b = (t.w32, t.b32) if w32 else (t.w, t.b)
         fn = functools.partial(tln.norm_fwd, t.x, w, b, None, EPS, False, None, False)
-        provider, nbytes = f"sweep-triton-r{cfg[1]}-w{cfg[2]}{'-w32' if w32 else ''}", 2 * m * n * t.x.element_size()
+        # (rows up to 478ab5c ended in "-w32" for fp32 params, ambiguous beside 32 warps: see param_dtype)
+        provider = f"sweep-triton-r{cfg[1]}-w{cfg[2]}{'-fp32params' if w32 else ''}"
+        nbytes = 2 * m * n * t.x.element_size()
         fields = {"param_dtype": str(w.dtype)[6:]}
     else:
         tln._bwd_config = lambda _n: cfg
@@ -226,7 +228,7 @@ def _sweep_case(recorder, tln, t, n, pas, op, w32, cfg):
                                None)
         reload = not cfg[4] and cfg[0] > tln._MAX_BWD_BLOCK
         provider = (f"sweep-triton-r{cfg[1]}-w{cfg[2]}-p{cfg[3]}-s{cfg[5]}{'-looped' if cfg[4] else ''}"
-                    f"{'-reload' if reload else ''}{'-w32' if w32 else ''}")
+                    f"{'-reload' if reload else ''}{'-fp32params' if w32 else ''}")
         nbytes = 3 * m * n * t.x.element_size()
         launched = tln._bwd_fit(cfg, tln._smem_per_program(t.x.device), t.x, t.dy, w, None)
         fields = {"config": list(cfg), "launched": list(launched), "param_dtype": str(w.dtype)[6:]}
