@@ -169,7 +169,9 @@ def _sweep_cases(ns, passes):
         block = triton.next_power_of_2(n)
         if "fwd" in passes:
             for w32, table in ((False, SWEEP_FWD), (True, SWEEP_FWD_W32)):
-                cases += [(n, "fwd", "layer_norm", w32, (block, rows, warps)) for rows, warps in table.get(n, ())]
+                # each with the params loaded after the reductions and with x (PARAMS_FIRST)
+                cases += [(n, "fwd", "layer_norm", w32, (block, rows, warps, first))
+                          for rows, warps in table.get(n, ()) for first in (False, True)]
         if "bwd" not in passes:
             continue
         for w32, table in ((False, SWEEP_BWD), (True, SWEEP_BWD_W32)):
@@ -216,7 +218,7 @@ def _sweep_case(recorder, tln, t, n, pas, op, w32, cfg):
         w, b = (t.w32, t.b32) if w32 else (t.w, t.b)
         fn = functools.partial(tln.norm_fwd, t.x, w, b, None, EPS, False, None, False)
         # (rows up to 478ab5c ended in "-w32" for fp32 params, ambiguous beside 32 warps: see param_dtype)
-        provider = f"sweep-triton-r{cfg[1]}-w{cfg[2]}{'-fp32params' if w32 else ''}"
+        provider = f"sweep-triton-r{cfg[1]}-w{cfg[2]}{'-pfirst' if cfg[3] else ''}{'-fp32params' if w32 else ''}"
         nbytes = 2 * m * n * t.x.element_size()
         fields = {"param_dtype": str(w.dtype)[6:]}
     else:

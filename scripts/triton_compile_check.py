@@ -2,9 +2,12 @@
 
 The real launchers run on "meta" tensors (shapes, no data); each kernel launch is caught
 before it runs and compiled with Triton's own compiler and bundled ptxas for the target
-(default sm_90: the H200). Autotuned kernels compile every config. A kernel or config that
-does not compile for the GPU is then found on any machine, as the CUDA extension's build is;
-ptxas -v on each kernel's PTX gives its registers and spills (printed with -v, or when it spills).
+(default sm_90: the H200), specialized as Triton's launcher would (16-divisible ints, 16-byte
+aligned tensors). Autotuned kernels compile every config. A kernel or config that does not
+compile for the GPU is then found on any machine, as the CUDA extension's build is; ptxas -v on
+each kernel's PTX gives its registers and spills (printed with -v, or when it spills). A launch
+whose kernel needs more shared memory than the GPU gives a block is refused as on the GPU
+(OutOfResources), so a launcher's fallback for it runs and compiles too.
 
     python scripts/triton_compile_check.py [--arch 90] [-v]
 
@@ -27,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.runtime.autotuner import Autotuner
+from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 
 try:
@@ -36,6 +40,17 @@ except ImportError:
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int8: "i8",
            torch.int32: "i32", torch.int64: "i64"}
+
+
+def _divisible_by_16(value):
+    """What Triton's launcher specializes on (the "D" of its key, tt.divisibility = 16): an int
+    that is a multiple of 16, a tensor whose data starts 16-byte aligned. Without it pointer
+    arithmetic is not provably aligned and loads compile to scalars: other code, other registers
+    and shared memory than the GPU's launch compiles. (Meta tensors: the storage offset stands
+    for the address.)"""
+    if isinstance(value, torch.Tensor):
+        return value.storage_offset() * value.element_size() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def _arg_type(value):
@@ -53,39 +68,50 @@ def _arg_type(value):
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+# shared memory a block may use (the opt-in maximum), per compute capability
+MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+
 class Checker:
     def __init__(self, arch, verbose):
         self.target = GPUTarget("cuda", arch, 32)
+        self.max_shared = MAX_SHARED.get(arch, MAX_SHARED[90])
         self.verbose = verbose
-        self.seen, self.tuned, self.failures = set(), set(), []
+        self.shared, self.tuned, self.failures = {}, set(), []  # shared: compile key -> bytes
 
     def compile(self, fn, args, kwargs, options):
-        """fn: the JITFunction; args/kwargs: a launch's arguments (kwargs hold the constexprs)."""
+        """fn: the JITFunction; args/kwargs: a launch's arguments (kwargs hold the constexprs).
+        Returns the kernel's shared memory in bytes (None when it did not compile)."""
         bound = dict(zip(fn.arg_names, args))
         bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
-        signature, constexprs = {}, {}
-        for param in fn.params:
+        signature, constexprs, attrs = {}, {}, {}
+        for i, param in enumerate(fn.params):
             value = bound.get(param.name, param.default)
             if param.is_constexpr or value is None:
                 signature[param.name] = "constexpr"
                 constexprs[param.name] = value
             else:
                 signature[param.name] = _arg_type(value)
+                if _divisible_by_16(value) and i not in fn.do_not_specialize:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
         key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted(map(str, constexprs.items()))),
-               tuple(sorted(options.items())))
-        if key in self.seen:
-            return
-        self.seen.add(key)
+               tuple(sorted(attrs)), tuple(sorted(options.items())))
+        if key in self.shared:
+            return self.shared[key]
+        self.shared[key] = None
         what = f"{fn.__name__} {options} " + " ".join(f"{k}={v}" for k, v in constexprs.items())
         try:
-            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=self.target,
-                                    options=options)
+            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                    target=self.target, options=options)
             regs, spills = self.ptxas_usage(kernel)
             if self.verbose or spills:
                 print(f"ok   {what} (shared {kernel.metadata.shared} B, {regs} registers, {spills} B spilled)")
         except Exception as e:  # noqa: BLE001 -- every failure is reported, then the run goes on
             self.failures.append(what)
             print(f"FAIL {what}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            return None
+        self.shared[key] = kernel.metadata.shared
+        return kernel.metadata.shared
 
     def ptxas_usage(self, kernel):
         """(registers per thread, bytes of spill stores) from ptxas -v on the kernel's PTX: the
@@ -106,7 +132,11 @@ class Checker:
 
         def jit_run(fn, *args, grid, warmup, **kwargs):
             options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-            checker.compile(fn, args, kwargs, options)
+            shared = checker.compile(fn, args, kwargs, options)
+            if shared is not None and shared > checker.max_shared:
+                # as the GPU's launch does: the launcher may catch it and launch something smaller
+                print(f"     {fn.__name__}: {shared} B of shared memory > {checker.max_shared}: launch refused")
+                raise OutOfResources(shared, checker.max_shared, "shared memory")
 
         def autotuned_run(tuner, *args, **kwargs):
             # every config at the first launch of an autotuned kernel per argument types (the
@@ -126,12 +156,15 @@ class Checker:
         Autotuner.run = autotuned_run
 
 
-def launch_everything():
+def launch_everything(max_shared):
     """The launchers of ampkernels.triton on meta tensors: every launch configuration regime and
-    every constexpr branch at least once (not every combination: each compile takes seconds)."""
+    every constexpr branch at least once (not every combination: each compile takes seconds).
+    max_shared: the GPU's shared memory per block, which the norm backward's fit plans for."""
     from ampkernels.reference import ACTIVATIONS
     from ampkernels.triton import layer_norm as tln
     from ampkernels.triton import linear_act as tla
+
+    tln._smem_per_program = lambda device: max_shared  # a meta device has no properties
 
     meta = torch.device("meta")
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device=meta)
@@ -171,8 +204,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     checker = Checker(args.arch, args.verbose)
     checker.install()
-    launch_everything()
-    print(f"triton {triton.__version__}, sm_{args.arch}: {len(checker.seen)} kernel variants compiled, "
+    launch_everything(checker.max_shared)
+    print(f"triton {triton.__version__}, sm_{args.arch}: {len(checker.shared)} kernel variants compiled, "
           f"{len(checker.failures)} failed")
     return 1 if checker.failures else 0
 

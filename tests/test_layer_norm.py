@@ -224,6 +224,21 @@ def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("is_rms", [False, True])
+def test_triton_interpret_fwd_params_first(is_rms, monkeypatch):
+    """The forward with its params loaded before the reductions (PARAMS_FIRST, a sweep option),
+    one and several rows a step, every optional input."""
+    _interp()
+    from ampkernels.triton import layer_norm as tln
+    for rows in (1, 4):
+        monkeypatch.setattr(tln, "_fwd_config", lambda n, wide=False, r=rows: (tln.triton.next_power_of_2(n), r, 4, True))
+        x, w, b = _inputs(6, 40, torch.float16, "cpu", torch.float32)
+        _check(is_rms, x, w, b, "triton", residual=randn(6, 40, dtype=torch.float16))
+        _check(is_rms, x, w, None, "triton")
+        _check(is_rms, x, None, None, "triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("is_rms", [False, True])
 def test_triton_interpret_bwd_reload(is_rms, monkeypatch):
     """The backward's RELOAD path (x, dy and weight read again after the row sums: N = 16384 by
     default), forced on a short row, with every optional input; the interpreter ignores num_stages."""
@@ -241,6 +256,33 @@ def test_triton_interpret_bwd_reload(is_rms, monkeypatch):
         _check(is_rms, x, w, b, "triton", residual=randn(5, 64, dtype=torch.float16))
     finally:
         tln._bwd_config.cache_clear()
+
+
+@needs_triton
+def test_triton_interpret_bwd_after_a_refused_launch(monkeypatch):
+    """A backward launch Triton refuses for shared memory (the compiled kernel outgrew the fit's
+    model: Triton 3.8, N = 16384 with dresidual_out) runs a stage fewer, then the looped kernel,
+    with the right gradients; the config that fit is remembered for the next call."""
+    _interp()
+    from triton.runtime.errors import OutOfResources
+
+    from ampkernels.triton import layer_norm as tln
+    real, tried = tln._bwd_launch, []
+
+    def launch(cfg, *args):
+        tried.append(cfg)
+        if not cfg[4]:  # every register-tile config refused: the looped kernel must run
+            raise OutOfResources(245780, 232448, "shared memory")
+        return real(cfg, *args)
+
+    monkeypatch.setattr(tln, "_bwd_launch", launch)
+    monkeypatch.setattr(tln, "_BWD_REFIT", {})
+    x, w, b = _inputs(5, 40, torch.float16, "cpu", torch.float32)
+    _check(False, x, w, b, "triton", residual=randn(5, 40, dtype=torch.float16))
+    assert [c[5] for c in tried[:-1]] == list(range(tried[0][5], 0, -1)) and tried[-1][4], tried
+    n = len(tried)
+    _check(False, x, w, b, "triton", residual=randn(5, 40, dtype=torch.float16))
+    assert len(tried) == n + 1 and tried[-1][4], tried[n:]
 
 
 @needs_triton
@@ -335,7 +377,7 @@ def test_triton_fwd_config_for_every_row_length_and_params_dtype():
     from ampkernels.triton import layer_norm as tln
     for n in (1, 7, 768, 1000, 2048, 3000, 8191, 16384, 16385, 65536):
         for wide in (False, True):
-            block, rows, warps = tln._fwd_config(n, wide)
+            block, rows, warps, _ = tln._fwd_config(n, wide)
             assert block >= n and block & (block - 1) == 0 and rows >= 1 and warps in (4, 8, 16, 32), (n, wide)
 
 
@@ -346,7 +388,7 @@ def test_bench_sweep_fwd_covers_the_default_for_both_param_dtypes():
     from ampkernels.triton import layer_norm as tln
     from benchmarks import bench_layer_norm as bench
     cases = bench._sweep_cases(bench.NS, ("fwd",))
-    assert all(c[1] == "fwd" and len(c[4]) == 3 for c in cases)
+    assert all(c[1] == "fwd" and len(c[4]) == 4 for c in cases)
     for n in bench.SWEEP_FWD_W32:
         for w32 in (False, True):
             assert (n, "fwd", "layer_norm", w32, tln._fwd_config(n, w32)) in cases, (n, w32)

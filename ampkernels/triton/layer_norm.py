@@ -32,6 +32,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import on_device
 
@@ -45,13 +46,18 @@ _SMEM_MARGIN = 2048     # shared memory beyond the pipeline buffers (reduction s
 @triton.jit
 def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
                      IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PARAMS_FIRST: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if PARAMS_FIRST:  # params loaded with x (their latency hidden behind x's; more registers live)
+        if HAS_W:
+            w = tl.load(W + cols, mask=cmask, other=0.0)
+        if HAS_B:
+            b = tl.load(B + cols, mask=cmask, other=0.0)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_R:
         x += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
@@ -66,9 +72,13 @@ def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
     tl.store(RSTD + rows, rstd, mask=rmask)
     y = xc * rstd[:, None]
     if HAS_W:
-        y *= tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if not PARAMS_FIRST:
+            w = tl.load(W + cols, mask=cmask, other=0.0)
+        y *= w.to(tl.float32)[None, :]
     if HAS_B:
-        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if not PARAMS_FIRST:
+            b = tl.load(B + cols, mask=cmask, other=0.0)
+        y += b.to(tl.float32)[None, :]
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -371,6 +381,8 @@ _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
 #   "auto" runs for this case.
 # - L2 eviction hints (x evict-first, params evict-last) were timed with every config: 0-3%
 #   slower, 33% at one; not kept.
+# - PARAMS_FIRST (the params loaded with x, as torch.compile's LayerNorm kernels do, rather than
+#   after the two reductions) is in the sweep, not yet measured: off everywhere.
 # Tried and dropped at f4ecd56: a persistent launch reading the params once per program (64 /
 # num_warps programs per SM, rows walked in a loop) ran 2.0-3.1 TB/s for LayerNorm with either
 # params dtype (benchmarks/results/h200-2026-11-30-f4ecd56-triton-norm-fwd-persist-ab.log),
@@ -381,13 +393,14 @@ _FWD_WIDE_PARAMS = {2048: (4, 8), 4096: (2, 8), 8192: (1, 8), 16384: (2, 32)}  #
 
 @functools.lru_cache(None)
 def _fwd_config(n, wide_params=False):
-    """(BLOCK_N, ROWS, num_warps) for rows of n elements; wide_params: fp32 params, 16-bit x."""
+    """(BLOCK_N, ROWS, num_warps, PARAMS_FIRST) for rows of n elements; wide_params: fp32
+    params, 16-bit x."""
     block = triton.next_power_of_2(n)
     if block <= 1024:  # several rows per program, up to 4096 elements
-        return block, min(64, max(1, 4096 // block)), 4
+        return block, min(64, max(1, 4096 // block)), 4, False
     if wide_params and block in _FWD_WIDE_PARAMS:  # (longer rows take the looped kernel)
-        return block, *_FWD_WIDE_PARAMS[block]
-    return block, 1, 4 if block <= 2048 else 8
+        return block, *_FWD_WIDE_PARAMS[block], False
+    return block, 1, 4 if block <= 2048 else 8, False
 
 
 @functools.lru_cache(None)
@@ -469,10 +482,11 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
             rstd if is_rms else mean, rstd, M, N, eps)
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
     wide_params = x.element_size() == 2 and weight is not None and weight.element_size() == 4
-    block, rows, warps = _fwd_config(N, wide_params)
+    block, rows, warps, params_first = _fwd_config(N, wide_params)
     with on_device(x):
         if block <= _MAX_FWD_BLOCK:
-            _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, num_warps=warps)
+            _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows,
+                                                      PARAMS_FIRST=params_first, num_warps=warps)
         else:
             _norm_fwd_looped_kernel[(M,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=16)
     return out, res_out, mean, rstd
@@ -493,8 +507,45 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
     db = torch.empty(N if want_dbias else 0, dtype=param_dtype, device=x.device)
     if M == 0 or N == 0:
         return dx, dres, dw.zero_(), db.zero_()
-    block, rows, warps, per_sm, looped, stages = _bwd_fit(_bwd_config(N), _smem_per_program(x.device), x, dy, weight,
-                                                          dresidual_out)
+    cfg = _bwd_fit(_bwd_config(N), _smem_per_program(x.device), x, dy, weight, dresidual_out)
+    # the fit models the pipeline's buffers; the compiler's own use can exceed it (with Triton
+    # 3.8, N = 16384 with dresidual_out: 14 KB more, past the H200's 227 KB): then Triton refuses
+    # the launch, and a smaller config runs, remembered per config, dtypes and device
+    key = (cfg, x.dtype, dy.dtype, weight.dtype if weight is not None else None,
+           dresidual_out.dtype if dresidual_out is not None else None, dres.dtype if dres.numel() else None,
+           want_dweight, want_dbias, x.device)
+    cfg = _BWD_REFIT.get(key, cfg)
+    while True:
+        try:
+            _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx, dres, dw,
+                        db)
+            break
+        except OutOfResources:
+            smaller = _smaller_bwd_config(cfg, x, dy, weight)
+            if smaller is None:
+                raise
+            cfg = _BWD_REFIT[key] = smaller
+    return dx, dres, dw, db
+
+
+_BWD_REFIT = {}  # norm_bwd's launch key -> the smaller config that fit (see norm_bwd)
+
+
+def _smaller_bwd_config(cfg, x, dy, weight):
+    """One step down after a launch refused for shared memory: a stage fewer (RELOAD keeps 2),
+    then the looped kernel at the stages that fit; None when nothing is smaller."""
+    block, rows, warps, per_sm, looped, stages = cfg
+    reload = not looped and block > _MAX_BWD_BLOCK
+    if stages > (2 if reload else 1):
+        return block, rows, warps, per_sm, looped, stages - 1
+    if not looped:
+        return _bwd_fit(_looped_bwd_config(), _smem_per_program(x.device), x, dy, weight, None)
+    return None
+
+
+def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx, dres, dw, db):
+    M, N = x.shape
+    block, rows, warps, per_sm, looped, stages = cfg
     progs = min(triton.cdiv(M, rows), _sms(x.device) * per_sm)
     rows_per_prog = triton.cdiv(triton.cdiv(M, progs), rows) * rows
     progs = triton.cdiv(M, rows_per_prog)
@@ -518,5 +569,4 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
             first, last = (dw if want_dweight else db), (db if want_dbias else dw)
             _col_sum_kernel[(triton.cdiv(N, 128), partials.shape[0])](partials, first, last, progs, N, BLOCK_R=16,
                                                                      BLOCK_C=128, num_warps=4)
-    return dx, dres, dw, db
 
