@@ -177,7 +177,9 @@ def _preference(x, n, pas="fwd", param_dtype=None):
     - backward: CUDA at every N (its pipelined kernel, 3.0-3.7 TB/s, against Triton's 1.0-3.1);
     - forward with params in x's dtype: Triton at every N (3.6-4.1 against 3.0-3.8);
     - forward of 16-bit x with fp32 params (the AMP case): CUDA (LayerNorm 2.7-3.7 against
-      Triton's 1.9-3.9, behind at all N but 1024; RMSNorm even or ahead at 4 of 6 N).
+      Triton's 1.9-3.9, behind at all N but 1024; RMSNorm even or ahead at 4 of 6 N). At 9692629
+      Triton's launches per params dtype tie it at N = 2048/4096 (LayerNorm 3.49-3.51 against
+      3.47-3.53 TB/s); CUDA stays first.
     n is the row length; kept in the signature for per-N rules (none today).
 
     Below 2^25 elements the CUDA kernels come first whatever the pass: there a kernel takes less
