@@ -293,6 +293,25 @@ __device__ __forceinline__ Moments group_moments(Moments v, int G, float (&red)[
   return total;
 }
 
+// Sum of (x - center)^2 over the row elements thread t holds (register-tile layout: vectors t,
+// t + G, ...; slots past the row's nvec vectors skipped).
+template <typename TK, int kVec, int kIters>
+__device__ __forceinline__ float centred_squares(const Pack<TK, kVec> (&v)[kIters], float center, int t, int G,
+                                                 int64_t nvec) {
+  float sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    if (t + int64_t(k) * G < nvec) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float d = elem_f32(v[k], e) - center;
+        sq += d * d;
+      }
+    }
+  }
+  return sq;
+}
+
 // ------------------------------------------------------------------ forward
 
 // One row per group of G threads (G a power of two, 1..512; the block holds blockDim.x / G rows).
@@ -348,18 +367,7 @@ __global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : 2) norm_fwd_kern
     }
     const float m = n > 0.f ? s / n : 0.f;
     if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
-    float m2 = 0.f;
-#pragma unroll
-    for (int k = 0; k < kIters; ++k) {
-      if (t + int64_t(k) * G < nvec) {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const float d = elem_f32(v[k], e) - m;
-          m2 += d * d;
-        }
-      }
-    }
-    const Moments row_moments = group_moments({n, m, m2}, G, red_moments);
+    const Moments row_moments = group_moments({n, m, centred_squares(v, m, t, G, nvec)}, G, red_moments);
     mean = row_moments.mean;
     rstd = rsqrtf(row_moments.m2 / float(a.cols) + a.eps);
   } else {
@@ -373,17 +381,7 @@ __global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : 2) norm_fwd_kern
       mean = s[0] / float(a.cols);
     }
     if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
-    float sq[1] = {0.f};
-#pragma unroll
-    for (int k = 0; k < kIters; ++k) {
-      if (t + int64_t(k) * G < nvec) {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          const float d = elem_f32(v[k], e) - mean;
-          sq[0] += d * d;
-        }
-      }
-    }
+    float sq[1] = {centred_squares(v, mean, t, G, nvec)};
     group_sum<1>(sq, G, red_var, false);
     rstd = rsqrtf(sq[0] / float(a.cols) + a.eps);
   }
