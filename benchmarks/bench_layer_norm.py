@@ -127,12 +127,11 @@ def _bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, **fie
     _record(recorder, op, provider, "bwd", x.dtype, n, m, ms, 3 * m * n * e, **fields)
 
 
-# Forward: N -> [(ROWS, num_warps)], each pair one Triton compile (measured at d776080 and
-# 478ab5c; the results are in _fwd_config's comment), swept with --sweep-pass fwd or both.
-# Not yet measured: one or two warps a row at N <= 1024 (torch.compile's persistent reduction
-# takes one warp per row there, torch/_inductor/heuristics/triton_codegen/reduction.py
-# _persistent_inner_config, and its forward ran 4.04-4.08 TB/s against our 3.74-3.94 at
-# 9692629: a warp-only reduction needs no shared memory or barrier), and 4 warps from 4096.
+# Forward: N -> [(ROWS, num_warps)], each pair one Triton compile, with and without PARAMS_FIRST
+# (measured at d776080, 478ab5c and 14572ee; the results are in _fwd_config's comment), swept
+# with --sweep-pass fwd or both. One or two warps a program at N <= 1024 after torch.compile's
+# persistent reduction (one warp a row there), which ran 4.04-4.08 TB/s against our 3.74-3.94 at
+# 9692629.
 SWEEP_FWD = {768: [(4, 4), (2, 4), (4, 8), (8, 8), (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (8, 4)],
              1024: [(4, 4), (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (8, 4)],
              2048: [(1, 4), (1, 8), (2, 8), (4, 8), (1, 2), (2, 4)],

@@ -95,7 +95,6 @@ struct NormForwardArgs {
   float eps;
   bool is_rms;
   DType x_dtype, residual_dtype, param_dtype, out_dtype, residual_out_dtype;
-  bool merged_moments;  // set by norm_forward (AMPKERNELS_NORM_FWD_MOMENTS), not by callers
 };
 cudaError_t norm_forward(const NormForwardArgs& args, cudaStream_t stream);
 

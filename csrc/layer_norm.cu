@@ -15,10 +15,9 @@
 // sum of centred squares (robust for rows with a large mean). Rows longer than 512 threads x 4
 // vectors take norm_fwd_looped_kernel: one block per row, three passes over the row (L2-resident).
 // With a residual, s = x + residual is normalised unrounded and stored as residual_out.
-// AMPKERNELS_NORM_FWD_MOMENTS=1 (an A/B switch, off, not yet measured): LayerNorm's mean and
-// variance in one exchange of merged (count, mean, M2) moments (group_moments) instead of two
-// reductions. Checked on the CPU emulator (tools/kernel_emu `driver fwd`): largest rstd error
-// 1.5e-7 on rows around 0, 2.2e-5 around 1000 (two passes: 1.3e-7, 7.5e-6), bitwise repeatable.
+// Tried at 14572ee: mean and variance in one exchange of merged (count, mean, M2) moments (Chan's
+// pairwise update) instead of two reductions ran 2.1-3.4 TB/s against two passes' 2.7-3.8 on the
+// H200, 10-25% slower at every N (benchmarks/results/h200-2026-11-30-14572ee-norm-ab.log).
 //
 // Backward. Three kernels, picked per call (bwd_pipe_config, bwd_config); all persistent: each
 // block loops over rows, writes dx (and dresidual when its dtype differs from dx's) and keeps its
@@ -254,45 +253,6 @@ __device__ __forceinline__ float block_sum(float v, float (&red)[1][32]) {
   return s[0];
 }
 
-// (count, mean, sum of squared deviations from the mean) of a set of elements. Two merge exactly
-// by Chan, Golub and LeVeque's pairwise update: no sum of squares about zero, so rows with a large
-// mean keep their precision, as the two-pass statistics do.
-struct Moments {
-  float n, mean, m2;
-};
-
-__device__ __forceinline__ Moments merge_moments(const Moments& a, const Moments& b) {
-  const float n = a.n + b.n;
-  if (n == 0.f) return a;
-  const float d = b.mean - a.mean, wb = b.n / n;
-  return {n, fmaf(d, wb, a.mean), a.m2 + b.m2 + d * d * a.n * wb};
-}
-
-// The group's moments in every thread of the group (groups as group_sum's: G threads, G a power
-// of two). One exchange instead of the two (sum, then centred squares) of the two-pass
-// statistics. Pairs always merge lower lane first, so both lanes of a pair, and in the end every
-// thread of the group, hold the same bits; warps merge in index order: bitwise repeatable.
-__device__ __forceinline__ Moments group_moments(Moments v, int G, float (&red)[3][32]) {
-  const int lane = threadIdx.x % 32;
-  for (int off = (G < 32 ? G : 32) / 2; off > 0; off >>= 1) {
-    const Moments o{__shfl_xor_sync(0xffffffffu, v.n, off), __shfl_xor_sync(0xffffffffu, v.mean, off),
-                    __shfl_xor_sync(0xffffffffu, v.m2, off)};
-    v = (lane & off) ? merge_moments(o, v) : merge_moments(v, o);
-  }
-  if (G <= 32) return v;
-  const int warp = threadIdx.x / 32;
-  if (lane == 0) {
-    red[0][warp] = v.n;
-    red[1][warp] = v.mean;
-    red[2][warp] = v.m2;
-  }
-  __syncthreads();
-  const int first = (threadIdx.x / G) * (G / 32);
-  Moments total{red[0][first], red[1][first], red[2][first]};
-  for (int w = 1; w < G / 32; ++w) total = merge_moments(total, {red[0][first + w], red[1][first + w], red[2][first + w]});
-  return total;
-}
-
 // Sum of (x - center)^2 over the row elements thread t holds (register-tile layout: vectors t,
 // t + G, ...; slots past the row's nvec vectors skipped).
 template <typename TK, int kVec, int kIters>
@@ -325,7 +285,7 @@ __device__ __forceinline__ float centred_squares(const Pack<TK, kVec> (&v)[kIter
 template <typename T, bool kResidual, int kVec, int kIters>
 __global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : 2) norm_fwd_kernel(const NormForwardArgs a, const int G) {
   using TK = std::conditional_t<kResidual, float, T>;
-  __shared__ float red_mean[1][32], red_var[1][32], red_moments[3][32];
+  __shared__ float red_mean[1][32], red_var[1][32];
   const int t = threadIdx.x % G;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
   const bool valid = row < a.rows;
@@ -352,39 +312,20 @@ __global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : 2) norm_fwd_kern
     load_tile_raw<T, kVec, kIters>(v, a.x, base, t, G, nvec, valid);
   }
 
-  float mean = 0.f, rstd;
-  if (!a.is_rms && a.merged_moments) {
-    // LayerNorm's mean and variance in one group exchange: each thread's own moments (two
-    // passes over its registers), merged across the group (group_moments)
-    float n = 0.f, s = 0.f;
+  float mean = 0.f;
+  if (!a.is_rms) {
+    float s[1] = {0.f};
 #pragma unroll
-    for (int k = 0; k < kIters; ++k) {
-      if (t + int64_t(k) * G < nvec) {
-        n += float(kVec);
+    for (int k = 0; k < kIters; ++k)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) s += elem_f32(v[k], e);
-      }
-    }
-    const float m = n > 0.f ? s / n : 0.f;
-    if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
-    const Moments row_moments = group_moments({n, m, centred_squares(v, m, t, G, nvec)}, G, red_moments);
-    mean = row_moments.mean;
-    rstd = rsqrtf(row_moments.m2 / float(a.cols) + a.eps);
-  } else {
-    if (!a.is_rms) {
-      float s[1] = {0.f};
-#pragma unroll
-      for (int k = 0; k < kIters; ++k)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) s[0] += elem_f32(v[k], e);
-      group_sum<1>(s, G, red_mean, false);
-      mean = s[0] / float(a.cols);
-    }
-    if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
-    float sq[1] = {centred_squares(v, mean, t, G, nvec)};
-    group_sum<1>(sq, G, red_var, false);
-    rstd = rsqrtf(sq[0] / float(a.cols) + a.eps);
+      for (int e = 0; e < kVec; ++e) s[0] += elem_f32(v[k], e);
+    group_sum<1>(s, G, red_mean, false);
+    mean = s[0] / float(a.cols);
   }
+  if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
+  float sq[1] = {centred_squares(v, mean, t, G, nvec)};
+  group_sum<1>(sq, G, red_var, false);
+  const float rstd = rsqrtf(sq[0] / float(a.cols) + a.eps);
   if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
   if (valid && t == 0) {
     if (a.mean != nullptr) a.mean[row] = mean;
@@ -1110,17 +1051,6 @@ struct PipeConfig {
 // kIters in 2..4 by a model of the used fraction of the SM: (owned slots / all slots) x
 // (resident threads / 512), 512 being what ~128 registers per thread allow; ties: fewer
 // registers. E.g. N = 1536: 3 x 64 threads (2 blocks of 256 per SM) over 2 x 96 (2 x 192).
-// AMPKERNELS_NORM_FWD_MOMENTS=1, read once: LayerNorm's register-tile forward takes its mean and
-// variance in one merged exchange (group_moments) instead of two; for measuring against the
-// two-pass statistics from one build. Unset or anything else: two passes.
-bool fwd_merged_moments() {
-  static const bool on = [] {
-    const char* s = std::getenv("AMPKERNELS_NORM_FWD_MOMENTS");
-    return s != nullptr && std::strcmp(s, "1") == 0;
-  }();
-  return on;
-}
-
 // AMPKERNELS_NORM_BWD_PIPE, read once, for measuring: "0" turns the pipelined backward off (the
 // other kernels take every call: old and new side by side from one build), "2", "3" or "4"
 // forces its kIters (where that fits; else the other kernels). Unset or anything else: the model.
@@ -1207,10 +1137,8 @@ cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
 
 }  // namespace
 
-cudaError_t norm_forward(const NormForwardArgs& args, cudaStream_t stream) {
-  if (args.rows == 0 || args.cols == 0) return cudaSuccess;
-  NormForwardArgs a = args;
-  a.merged_moments = fwd_merged_moments();
+cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.cols == 0) return cudaSuccess;
   const TileConfig c = fwd_config(a);
   return dispatch_vec(a.x_dtype, c.vec, [&]<typename T, int kVec>() {
     if (c.iters == 0) {

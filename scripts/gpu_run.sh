@@ -14,8 +14,8 @@
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
-# GPU_NORM_TUNE=1 runs the norm forward's launch sweep (fp16, bf16) and the A/B of each norm
-# switch not yet decided (AMPKERNELS_NORM_FWD_MOMENTS), into norm-sweep.jsonl and norm-ab.log.
+# GPU_NORM_TUNE=1 runs the Triton norm forward's launch sweep (fp16, bf16) into norm-sweep.jsonl
+# (progress in norm-tune.log).
 # BENCH_SPREAD=1 on a machine with several GPUs runs the benchmark modules in parallel, one
 # process per module queued round-robin over the GPUs, rows merged. Off by default: at 9692629
 # the host load of one process (autotuning, torch.compile) slowed the other's host-bound rows
@@ -76,13 +76,9 @@ norm_tune() {
     $PY -m benchmarks.bench_layer_norm --sweep --sweep-pass fwd --dtype $d --out "$OUT/norm-sweep-$d" || return
     cat "$OUT/norm-sweep-$d/results.jsonl" >>"$OUT/norm-sweep.jsonl" && rm -rf "$OUT/norm-sweep-$d"
   done
-  for params in x fp32; do
-    $PY scripts/norm_ab.py --pass fwd --params $params &&
-      AMPKERNELS_NORM_FWD_MOMENTS=1 $PY scripts/norm_ab.py --pass fwd --params $params || return
-  done
 }
 if [ "${GPU_NORM_TUNE:-0}" = 1 ]; then
-  step norm_tune norm-ab.log norm_tune
+  step norm_tune norm-tune.log norm_tune
 fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then
   step sanitize sanitize.log env OUT="$OUT" bash scripts/sanitize.sh

@@ -378,7 +378,7 @@ def test_triton_fwd_config_for_every_row_length_and_params_dtype():
     for n in (1, 7, 768, 1000, 2048, 3000, 8191, 16384, 16385, 65536):
         for wide in (False, True):
             block, rows, warps, _ = tln._fwd_config(n, wide)
-            assert block >= n and block & (block - 1) == 0 and rows >= 1 and warps in (4, 8, 16, 32), (n, wide)
+            assert block >= n and block & (block - 1) == 0 and rows >= 1 and warps in (1, 2, 4, 8, 16, 32), (n, wide)
 
 
 def test_bench_sweep_fwd_covers_the_default_for_both_param_dtypes():
@@ -643,21 +643,6 @@ def test_gpu_sizes(backend, n, is_rms):
     if n > 1:  # (at N = 1 and mean 1000, RMSNorm's dx ~ 1e-9 is below fp16's range)
         x, w, b = _inputs(_rows(n), n, torch.float16, "cuda", mean=1000.0)  # large mean + noise
         _check(is_rms, x, w, b, backend, eps=_eps(n))
-
-
-@pytest.mark.gpu
-def test_gpu_cuda_fwd_merged_moments_switch():
-    """AMPKERNELS_NORM_FWD_MOMENTS=1 (LayerNorm's mean and variance in one merged exchange, an
-    A/B switch read once per process): the CUDA size and dtype tests again, in a process with it
-    on. (Checked without a GPU by tools/kernel_emu's `driver fwd`.)"""
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "AMPKERNELS_NORM_FWD_MOMENTS": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", __file__, "-k",
-                        "(test_gpu_sizes or test_gpu_dtype_combos) and cuda"], env=env, capture_output=True, text=True,
-                       timeout=600, check=False)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 @pytest.mark.gpu

@@ -367,28 +367,38 @@ def _index(device):
 _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
 
 
-# Forward launch, swept on the H200 at 478ab5c (bench_layer_norm --sweep --sweep-pass fwd, fp16
-# and bf16, LayerNorm, M*N = 2^27; benchmarks/results/h200x2-2026-11-30-478ab5c-norm-fwd-sweep.jsonl):
-# - 16-bit params: one row per program from N = 2048, 4 warps at 2048 and 8 above (3.6-4.0
-#   TB/s); 8 warps at N = 16384 ran 3.74-3.80 against 3.52-3.80 with 16.
+# Forward launch, swept on the H200 at 478ab5c and 14572ee (bench_layer_norm --sweep --sweep-pass
+# fwd, fp16 and bf16, LayerNorm, M*N = 2^27; benchmarks/results/*-norm-fwd-sweep.jsonl):
+# - 16-bit params, N <= 1024: 2 rows per program, 2 warps, 3.94-4.02 TB/s at N = 768 and 3.97
+#   at 1024, against 3.79-3.95 for 4 rows / 4 warps (torch.compile takes one warp a row here).
+#   One warp with PARAMS_FIRST ran within 0.5% of it, but with a residual it needs 168
+#   registers and spills (sm_90 compile check). (Shorter rows keep 4096 elements / 4 warps a
+#   program: not swept.)
+# - 16-bit params from N = 2048: one row per program, 4 warps: 3.91-4.07 TB/s at 2048 to 8192
+#   (at 8192 3.93-3.94 against 3.63-3.75 for 8 warps; at 4096 with PARAMS_FIRST, 3.96-3.97
+#   against 3.87-3.96 for 8 warps). N = 16384: 8 or 16 warps, 3.27-3.81 against 3.53-3.83 at
+#   14572ee and the reverse order at 478ab5c: kept at 8.
 # - fp32 params with 16-bit x (the AMP case): each row step reads the params again from L2, 8
 #   bytes per element against x's 2 of HBM, so several rows a step share one read: at N = 2048
 #   4 rows / 8 warps (3.53 against 2.82 for the 16-bit launch), at 4096 2 rows / 8 warps (3.55
 #   against 2.71), at 16384 2 rows / 32 warps (2.28-2.30 against 1.85). At 8192 the 16-bit
-#   launch stays best (2.50; two rows 2.0-2.2). One row with 32 warps (not in the sweep for
-#   these params, picked by mistake at c8c1d90) ran 1.33 at 8192 and 1.79 at 16384 in the
-#   benchmark at 9692629. All still behind the CUDA kernel at N >= 8192 (3.2 / 2.7), which
+#   launch is best (2.50; two rows 2.0-2.2), with PARAMS_FIRST 2.61 at 14572ee. One row with 32
+#   warps (not in the sweep for these params, picked by mistake at c8c1d90) ran 1.33 at 8192 and
+#   1.79 at 16384 in the benchmark at 9692629. All still behind the CUDA kernel at N >= 8192 (3.2 / 2.7), which
 #   "auto" runs for this case.
 # - L2 eviction hints (x evict-first, params evict-last) were timed with every config: 0-3%
 #   slower, 33% at one; not kept.
 # - PARAMS_FIRST (the params loaded with x, as torch.compile's LayerNorm kernels do, rather than
-#   after the two reductions) is in the sweep, not yet measured: off everywhere.
+#   after the two reductions): on where it measured faster, above; 20-35% slower with 8-16 warps
+#   at N >= 4096.
 # Tried and dropped at f4ecd56: a persistent launch reading the params once per program (64 /
 # num_warps programs per SM, rows walked in a loop) ran 2.0-3.1 TB/s for LayerNorm with either
 # params dtype (benchmarks/results/h200-2026-11-30-f4ecd56-triton-norm-fwd-persist-ab.log),
 # probably because more programs were launched than fit by registers, leaving a low-occupancy
 # last wave.
-_FWD_WIDE_PARAMS = {2048: (4, 8), 4096: (2, 8), 8192: (1, 8), 16384: (2, 32)}  # BLOCK_N -> (ROWS, num_warps)
+# BLOCK_N -> (ROWS, num_warps, PARAMS_FIRST)
+_FWD = {1024: (2, 2, False), 2048: (1, 4, False), 4096: (1, 4, True), 8192: (1, 4, False), 16384: (1, 8, False)}
+_FWD_WIDE_PARAMS = {2048: (4, 8, False), 4096: (2, 8, False), 8192: (1, 8, True), 16384: (2, 32, False)}
 
 
 @functools.lru_cache(None)
@@ -396,11 +406,13 @@ def _fwd_config(n, wide_params=False):
     """(BLOCK_N, ROWS, num_warps, PARAMS_FIRST) for rows of n elements; wide_params: fp32
     params, 16-bit x."""
     block = triton.next_power_of_2(n)
-    if block <= 1024:  # several rows per program, up to 4096 elements
-        return block, min(64, max(1, 4096 // block)), 4, False
-    if wide_params and block in _FWD_WIDE_PARAMS:  # (longer rows take the looped kernel)
-        return block, *_FWD_WIDE_PARAMS[block], False
-    return block, 1, 4 if block <= 2048 else 8, False
+    if wide_params and block in _FWD_WIDE_PARAMS:
+        return block, *_FWD_WIDE_PARAMS[block]
+    if block in _FWD:
+        return block, *_FWD[block]
+    if block < 1024:  # several rows per program, up to 4096 elements
+        return block, min(64, 4096 // block), 4, False
+    return block, 1, 8, False  # longer rows take the looped kernel, which ignores the config
 
 
 @functools.lru_cache(None)

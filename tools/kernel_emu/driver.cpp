@@ -188,7 +188,7 @@ static void run_fwd(DType xt, int pd, bool rms, bool residual, int64_t M, int64_
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "quick";
-  if (mode == "fwd") {  // AMPKERNELS_NORM_FWD_MOMENTS=1 for the merged statistics
+  if (mode == "fwd") {
     for (int64_t n : {1L, 7L, 8L, 64L, 100L, 768L, 1000L, 1024L, 2048L, 4096L, 8192L, 12288L, 16384L, 20000L}) {
       for (int64_t rows : {1L, 5L}) {
         for (DType xt : {DType::kFloat16, DType::kBFloat16})
