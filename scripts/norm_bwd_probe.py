@@ -1,0 +1,60 @@
+"""Where a norm backward's time goes, per backend: the backward as the benchmark times it
+(out.backward, do_bench with L2 flushes) with its p20/p80 spread, the backend's kernel call alone
+(the launcher, no autograd), the same call replayed from a CUDA graph (the GPU time alone) and the
+host time per call (enqueued behind a long GPU sleep, so the host never waits), with the
+functions with the most own host time under cProfile. M*N = 2^27 as in the benchmark.
+    python scripts/norm_bwd_probe.py [N ...]
+"""
+import functools
+import sys
+
+import torch
+from ampkernels.benchmarks.common import graph_replay_ms, host_profile
+from triton.testing import do_bench
+
+import ampkernels
+from ampkernels.triton import layer_norm as tln
+
+NS = [int(a) for a in sys.argv[1:]] or [2048, 8192]
+dtype = torch.bfloat16
+
+
+def spread(fn):
+    p50, p20, p80 = do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8])
+    return f"{p50 * 1e3:.1f} us (p20 {p20 * 1e3:.1f}, p80 {p80 * 1e3:.1f})"
+
+
+def host(fn, calls=20):
+    t, stats = host_profile(fn, calls, 2_000_000_000)  # ~1 s of GPU sleep ahead of the calls
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:8]
+    top = "; ".join(f"{tot / calls * 1e6:.1f} us {file.split('site-packages/')[-1].split('/')[-1]}:{line}({name})"
+                    for (file, line, name), (_, _, tot, _, _) in rows)
+    return f"{t * 1e6:.0f} us per call [{top}]"
+
+
+for n in NS:
+    m = 2**27 // n
+    x = torch.randn(m, n, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.rand(n, device="cuda", dtype=dtype, requires_grad=True)
+    b = torch.randn(n, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=dtype)
+    for op in ("layer_norm", "rms_norm"):
+        is_rms = op == "rms_norm"
+        for backend in ("cuda", "triton"):
+            fwd = (functools.partial(ampkernels.rms_norm, x, (n,), w, backend=backend) if is_rms
+                   else functools.partial(ampkernels.layer_norm, x, (n,), w, b, backend=backend))
+            out = fwd()
+            backward = functools.partial(out.backward, dy, retain_graph=True)
+            backward()
+            print(f"N={n} {op} {backend}: out.backward {spread(backward)}; host {host(backward)}", flush=True)
+            if backend == "triton":
+                _, _, mean, rstd = tln.norm_fwd(x.detach(), w.detach(), None if is_rms else b.detach(), None, 1e-5,
+                                                is_rms, None, False)
+                call = functools.partial(tln.norm_bwd, dy, x.detach(), w.detach(), mean, rstd, None, is_rms, True,
+                                         not is_rms, dtype, None, dtype)
+                call()
+                print(f"  norm_bwd alone {spread(call)}; graph {graph_replay_ms(call, warmup=25, rep=200) * 1e3:.1f} us;"
+                      f" host {host(call)}", flush=True)
+            x.grad = w.grad = b.grad = None
+            del out, backward
+    del x, w, b, dy
