@@ -180,6 +180,11 @@ def _preference(x, n, pas="fwd", param_dtype=None):
       Triton's 1.9-3.9, behind at all N but 1024; RMSNorm even or ahead at 4 of 6 N). At 9692629
       Triton's launches per params dtype tie it at N = 2048/4096 (LayerNorm 3.49-3.51 against
       3.47-3.53 TB/s); CUDA stays first.
+    At 58695ad (h200-2026-11-30-58695ad-norms.jsonl) the same order holds: Triton forward 3.77-4.06
+    TB/s with 16-bit params against CUDA's 2.98-3.97; AMP LayerNorm CUDA 2.69-3.79 against Triton's
+    2.28-3.88 (ahead by 1-2% at N = 1024/4096 only), AMP RMSNorm within 1-3% either way; the Triton
+    backward's kernels run 3.5-3.8 TB/s from a CUDA graph, but a call costs the host 300-480 us
+    (scripts/norm_bwd_probe.py), so called it is host-bound where CUDA's is not.
     n is the row length; kept in the signature for per-N rules (none today).
 
     Below 2^25 elements the CUDA kernels come first whatever the pass: there a kernel takes less
