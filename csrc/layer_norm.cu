@@ -1051,6 +1051,10 @@ struct PipeConfig {
 // kIters in 2..4 by a model of the used fraction of the SM: (owned slots / all slots) x
 // (resident threads / 512), 512 being what ~128 registers per thread allow; ties: fewer
 // registers. E.g. N = 1536: 3 x 64 threads (2 blocks of 256 per SM) over 2 x 96 (2 x 192).
+// Open: the tie-break gives kIters 2 at N = 1024..8192 (32 KB of x/dy a stage per SM; at 8192
+// one 512-thread block per SM, block-wide barriers per row), and those N ran 3.0-3.6 TB/s at
+// 58695ad against 3.6 at N = 768 (kIters 3, warp-wide rows); kIters 4 would hold 64 KB a stage
+// and, at 8192, two 256-thread blocks. Not yet timed: GPU_NORM_TUNE=bwd scripts/gpu_run.sh.
 // AMPKERNELS_NORM_BWD_PIPE, read once, for measuring: "0" turns the pipelined backward off (the
 // other kernels take every call: old and new side by side from one build), "2", "3" or "4"
 // forces its kIters (where that fits; else the other kernels). Unset or anything else: the model.
