@@ -384,8 +384,8 @@ _STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
 #   against 2.71), at 16384 2 rows / 32 warps (2.28-2.30 against 1.85). At 8192 the 16-bit
 #   launch is best (2.50; two rows 2.0-2.2), with PARAMS_FIRST 2.61 at 14572ee. One row with 32
 #   warps (not in the sweep for these params, picked by mistake at c8c1d90) ran 1.33 at 8192 and
-#   1.79 at 16384 in the benchmark at 9692629. All still behind the CUDA kernel at N >= 8192 (3.2 / 2.7), which
-#   "auto" runs for this case.
+#   1.79 at 16384 in the benchmark at 9692629. All still behind the CUDA kernel at N >= 8192
+#   (3.2 / 2.7), which "auto" runs for this case.
 # - L2 eviction hints (x evict-first, params evict-last) were timed with every config: 0-3%
 #   slower, 33% at one; not kept.
 # - PARAMS_FIRST (the params loaded with x, as torch.compile's LayerNorm kernels do, rather than
