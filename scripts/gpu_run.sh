@@ -67,8 +67,11 @@ fi
 step doctor doctor.json $PY -m ampkernels doctor --json
 
 if [ "${GPU_TESTS:-tests}" != none ]; then
+  # SIGINT at the cap: pytest then still reports the failures so far (at 58695ad a plain timeout
+  # killed it before it printed which test_fuzz example failed)
   # shellcheck disable=SC2086
-  step tests tests.log timeout "${TESTS_TIMEOUT:-3000}" $PY -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests}
+  step tests tests.log timeout -s INT -k 60 "${TESTS_TIMEOUT:-3000}" $PY -m pytest -m gpu -q -p no:cacheprovider \
+    ${GPU_TESTS:-tests}
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
 norm_tune() {

@@ -13,7 +13,8 @@ from tests.utils import assert_rel_close
 
 HAS_CUDA = torch.cuda.is_available()
 CPU = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-GPU = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+# print_blob: a failing example's report carries the @reproduce_failure line that replays it
+GPU = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
 
 
 @st.composite
