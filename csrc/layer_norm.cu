@@ -294,10 +294,10 @@ __device__ __forceinline__ void one_barrier_stats(const Pack<TK, kVec> (&v)[kIte
                                                   int64_t nvec, int64_t cols, float eps, float (&red)[4][32],
                                                   float& mean, float& rstd) {
   s = warp_sum(s);
-  int64_t n = 0;  // elements this warp holds: lanes 32w..32w+31 of each slot k
+  int n = 0;  // vectors this warp holds: lanes 32w..32w+31 of each slot k (nvec <= G * kIters here)
 #pragma unroll
   for (int k = 0; k < kIters; ++k) {
-    const int64_t left = nvec - int64_t(k) * G - (t & ~31);
+    const int left = int(nvec) - k * G - (t & ~31);
     n += left < 0 ? 0 : left > 32 ? 32 : left;
   }
   const float n_w = float(n * kVec), m_w = n > 0 ? s / n_w : 0.f;
