@@ -1104,15 +1104,6 @@ struct PipeConfig {
                       // one instantiation, so concurrent host threads never shrink it under a launch
 };
 
-// Takes 16-bit x/dy in 16-byte chunks with dx (and dresidual_out, if any) in x's dtype and no
-// separate dresidual; params of any dtype. Rows of up to 512 x 4 chunks (N = 16384 at 16 bits).
-// kIters in 2..4 by a model of the used fraction of the SM: (owned slots / all slots) x
-// (resident threads / 512), 512 being what ~128 registers per thread allow; ties: fewer
-// registers. E.g. N = 1536: 3 x 64 threads (2 blocks of 256 per SM) over 2 x 96 (2 x 192).
-// Open: the tie-break gives kIters 2 at N = 1024..8192 (32 KB of x/dy a stage per SM; at 8192
-// one 512-thread block per SM, block-wide barriers per row), and those N ran 3.0-3.6 TB/s at
-// 58695ad against 3.6 at N = 768 (kIters 3, warp-wide rows); kIters 4 would hold 64 KB a stage
-// and, at 8192, two 256-thread blocks. Not yet timed: GPU_NORM_TUNE=ab scripts/gpu_run.sh.
 // AMPKERNELS_NORM_FWD_ONE_BARRIER=1, read once, for measuring: LayerNorm's register-tile forward
 // takes its statistics with one block barrier (one_barrier_stats) where a row spans several
 // warps. Unset or anything else: the two-pass group sums.
@@ -1124,6 +1115,15 @@ bool fwd_one_barrier() {
   return on;
 }
 
+// Takes 16-bit x/dy in 16-byte chunks with dx (and dresidual_out, if any) in x's dtype and no
+// separate dresidual; params of any dtype. Rows of up to 512 x 4 chunks (N = 16384 at 16 bits).
+// kIters in 2..4 by a model of the used fraction of the SM: (owned slots / all slots) x
+// (resident threads / 512), 512 being what ~128 registers per thread allow; ties: fewer
+// registers. E.g. N = 1536: 3 x 64 threads (2 blocks of 256 per SM) over 2 x 96 (2 x 192).
+// Open: the tie-break gives kIters 2 at N = 1024..8192 (32 KB of x/dy a stage per SM; at 8192
+// one 512-thread block per SM, block-wide barriers per row), and those N ran 3.0-3.6 TB/s at
+// 58695ad against 3.6 at N = 768 (kIters 3, warp-wide rows); kIters 4 would hold 64 KB a stage
+// and, at 8192, two 256-thread blocks. Not yet timed: GPU_NORM_TUNE=ab scripts/gpu_run.sh.
 // AMPKERNELS_NORM_BWD_PIPE, read once, for measuring: "0" turns the pipelined backward off (the
 // other kernels take every call: old and new side by side from one build), "2", "3" or "4"
 // forces its kIters (where that fits; else the other kernels). Unset or anything else: the model.
