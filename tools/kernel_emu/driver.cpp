@@ -177,7 +177,7 @@ static void run_fwd(DType xt, int pd, bool rms, bool residual, int64_t M, int64_
   // fp32 x: the fp32 mean's rounding (half an ulp of the offset) enters every centred value
   const double tol = xt == DType::kFloat32 ? 1e-5 + 2e-7 * off : xt == DType::kFloat16 ? 2e-3 : 1.6e-2;
   // mean: to fp32 rounding of the row's size. rstd: the variance is about 1 around any mean; at
-  // mean 1000 a mean rounded to fp32 (ulp 6e-5) enters merged moments' deviations: 1e-4
+  // mean 1000 a mean rounded to fp32 (ulp 6e-5) enters the centred values: 1e-4
   worst_rstd[off != 0.f] = std::max(worst_rstd[off != 0.f], e_rstd);
   const bool ok = e_out < tol && e_mean < 1e-6 && e_rstd < (off != 0.f ? 1e-4 : 2e-5) && same;
   if (!ok) {
