@@ -1,5 +1,5 @@
 """Where a norm backward's time goes, per backend: the backward as the benchmark times it
-(out.backward, do_bench with L2 flushes) with its p20/p80 spread, the backend's kernel call alone
+(out.backward with the grads cleared, do_bench with L2 flushes) with its p20/p80 spread, the backend's kernel call alone
 (the launcher, no autograd), the same call replayed from a CUDA graph (the GPU time alone) and the
 host time per call (enqueued behind a long GPU sleep, so the host never waits), with the
 functions with the most own host time under cProfile. M*N = 2^27 as in the benchmark.
@@ -44,7 +44,11 @@ for n in NS:
             fwd = (functools.partial(ampkernels.rms_norm, x, (n,), w, backend=backend) if is_rms
                    else functools.partial(ampkernels.layer_norm, x, (n,), w, b, backend=backend))
             out = fwd()
-            backward = functools.partial(out.backward, dy, retain_graph=True)
+
+            def backward(out=out):  # grads cleared first, as the benchmark does (no accumulation pass)
+                x.grad = w.grad = b.grad = None
+                out.backward(dy, retain_graph=True)
+
             backward()
             print(f"N={n} {op} {backend}: out.backward {spread(backward)}; host {host(backward)}", flush=True)
             if backend == "triton":
