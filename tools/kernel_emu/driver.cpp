@@ -44,6 +44,7 @@ static double rel(const std::vector<double>& a, const std::vector<double>& b) {
 }
 
 static int failures = 0;
+static bool g_misalign = false;  // x starts one element past an aligned address (a storage-offset view)
 static std::string last_path;
 
 static void run(const Case& c, bool verbose) {
@@ -51,7 +52,8 @@ static void run(const Case& c, bool verbose) {
   NormBackwardArgs a{};
   a.x_dtype = c.x;
   a.param_dtype = c.pd == 1 ? DType::kFloat32 : c.x;
-  std::vector<unsigned char> x(M * N * esz(c.x)), dy(M * N * esz(c.x)), w(N * esz(a.param_dtype));
+  std::vector<unsigned char> xbuf((M * N + 1) * esz(c.x)), dy(M * N * esz(c.x)), w(N * esz(a.param_dtype));
+  unsigned char* const xp = xbuf.data() + (g_misalign ? esz(c.x) : 0);
   std::vector<float> mean(M), rstd(M);
   DType dres_t = c.dres == 2 ? DType::kFloat32 : c.x;
   std::vector<unsigned char> dres(c.dres ? M * N * esz(dres_t) : 0);
@@ -59,19 +61,19 @@ static void run(const Case& c, bool verbose) {
   for (int64_t r = 0; r < M; ++r) {
     double s = 0, s2 = 0;
     for (int64_t j = 0; j < N; ++j) {
-      put(x.data(), c.x, r * N + j, rnd() * 2 + off);
+      put(xp, c.x, r * N + j, rnd() * 2 + off);
       put(dy.data(), c.x, r * N + j, rnd());
       if (c.dres) put(dres.data(), dres_t, r * N + j, rnd());
-      s += get(x.data(), c.x, r * N + j);
+      s += get(xp, c.x, r * N + j);
     }
     const double m = c.rms ? 0 : s / N;
-    for (int64_t j = 0; j < N; ++j) { const double d = get(x.data(), c.x, r * N + j) - m; s2 += d * d; }
+    for (int64_t j = 0; j < N; ++j) { const double d = get(xp, c.x, r * N + j) - m; s2 += d * d; }
     mean[r] = float(m);
     rstd[r] = float(1 / std::sqrt(s2 / N + 1e-5));
   }
   for (int64_t j = 0; j < N; ++j) put(w.data(), a.param_dtype, j, 1 + 0.5f * rnd());
   std::vector<unsigned char> dx(M * N * esz(c.x), 0xff);
-  a.x = x.data(); a.dy = dy.data(); a.weight = c.pd ? w.data() : nullptr;
+  a.x = xp; a.dy = dy.data(); a.weight = c.pd ? w.data() : nullptr;
   a.mean = c.rms ? nullptr : mean.data(); a.rstd = rstd.data();
   a.dresidual_out = c.dres ? dres.data() : nullptr; a.dresidual_out_dtype = dres_t;
   a.dx = dx.data(); a.dx_dtype = c.x; a.dresidual = nullptr; a.dresidual_dtype = c.x;
@@ -94,7 +96,7 @@ static void run(const Case& c, bool verbose) {
     double c1 = 0, c2 = 0;
     std::vector<double> xh(N), g(N);
     for (int64_t j = 0; j < N; ++j) {
-      xh[j] = (get(x.data(), c.x, r * N + j) - (c.rms ? 0 : mean[r])) * rstd[r];
+      xh[j] = (get(xp, c.x, r * N + j) - (c.rms ? 0 : mean[r])) * rstd[r];
       const double d = get(dy.data(), c.x, r * N + j);
       g[j] = d * (c.pd ? get(w.data(), a.param_dtype, j) : 1.0);
       c1 += g[j] * xh[j]; c2 += g[j];
@@ -141,15 +143,16 @@ static void run_fwd(DType xt, int pd, bool rms, bool residual, int64_t M, int64_
   NormForwardArgs a{};
   a.x_dtype = a.out_dtype = a.residual_dtype = a.residual_out_dtype = xt;
   a.param_dtype = pd == 1 ? DType::kFloat32 : xt;
-  std::vector<unsigned char> x(M * N * esz(xt)), r(residual ? M * N * esz(xt) : 0), w(N * 4), b(N * 4);
+  std::vector<unsigned char> xbuf((M * N + 1) * esz(xt)), r(residual ? M * N * esz(xt) : 0), w(N * 4), b(N * 4);
+  unsigned char* const xp = xbuf.data() + (g_misalign ? esz(xt) : 0);
   std::vector<unsigned char> out(M * N * esz(xt), 0xff), rout(residual ? M * N * esz(xt) : 0, 0xff);
   std::vector<float> mean(M, NAN), rstd(M, NAN);
   for (int64_t i = 0; i < M * N; ++i) {
-    put(x.data(), xt, i, scale * rnd() + off);
+    put(xp, xt, i, scale * rnd() + off);
     if (residual) put(r.data(), xt, i, rnd());
   }
   for (int64_t j = 0; j < N; ++j) { put(w.data(), a.param_dtype, j, 1 + 0.5f * rnd()); put(b.data(), a.param_dtype, j, rnd()); }
-  a.x = x.data(); a.residual = residual ? r.data() : nullptr; a.weight = pd ? w.data() : nullptr;
+  a.x = xp; a.residual = residual ? r.data() : nullptr; a.weight = pd ? w.data() : nullptr;
   a.bias = pd && !rms ? b.data() : nullptr; a.out = out.data(); a.residual_out = residual ? rout.data() : nullptr;
   a.mean = rms ? nullptr : mean.data(); a.rstd = rstd.data(); a.rows = M; a.cols = N; a.eps = eps; a.is_rms = rms;
   if (norm_forward(a, nullptr) != cudaSuccess) { std::printf("launch error\n"); ++failures; return; }
@@ -158,7 +161,7 @@ static void run_fwd(DType xt, int pd, bool rms, bool residual, int64_t M, int64_
   for (int64_t i = 0; i < M; ++i) {
     std::vector<double> v(N);
     double s = 0, q = 0;
-    for (int64_t j = 0; j < N; ++j) { v[j] = get(x.data(), xt, i * N + j) + (residual ? get(r.data(), xt, i * N + j) : 0); s += v[j]; }
+    for (int64_t j = 0; j < N; ++j) { v[j] = get(xp, xt, i * N + j) + (residual ? get(r.data(), xt, i * N + j) : 0); s += v[j]; }
     const double m = rms ? 0 : s / N;
     for (int64_t j = 0; j < N; ++j) q += (v[j] - m) * (v[j] - m);
     const double rs = 1 / std::sqrt(q / N + eps);
@@ -196,6 +199,7 @@ int main(int argc, char** argv) {
       const DType xt = DType(pick(rng) % 3 == 0 ? int(DType::kFloat32) : pick(rng) % 2 ? int(DType::kFloat16) : int(DType::kBFloat16));
       const int64_t n = 1 + pick(rng) % 300, rows = 1 + pick(rng) % 40;
       const float eps[3] = {1e-5f, 1e-6f, 1e-2f};
+      g_misalign = pick(rng) % 3 == 0;  // test_fuzz's "offset" layout
       run_fwd(xt, pick(rng) % 3, pick(rng) % 2, false, rows, n, pick(rng) % 2 ? 100.f : 0.f, pick(rng) % 2 ? 30.f : 1.f,
               eps[pick(rng) % 3]);
     }
@@ -204,8 +208,10 @@ int main(int argc, char** argv) {
       Case c{xt, int(pick(rng) % 3), bool(pick(rng) % 2), bool(pick(rng) % 2), bool(pick(rng) % 2), 0,
              1 + pick(rng) % 40, 1 + pick(rng) % 300, 2 + int(pick(rng) % 2)};
       emu::g_deferred = pick(rng) % 2;
+      g_misalign = pick(rng) % 3 == 0;
       run(c, false);
     }
+    g_misalign = false;
     std::printf("fuzz: %d failures\n", failures);
     return failures != 0;
   }
