@@ -120,8 +120,12 @@ def _bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, **fie
     leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
     xg, wg = leaves[0], leaves[1]
     bg = leaves[2] if len(leaves) > 2 else None
-    with _autocast(autocast)():
-        out = fn(xg, wg, bg)
+
+    def fwd():
+        with _autocast(autocast)():
+            return fn(xg, wg, bg)
+
+    out = fwd()
     fields["first_call_s"] = first_call_s(functools.partial(out.backward, dy, retain_graph=True))
     if provider.startswith("ampkernels-"):
         # the backward's GPU time without the host's autograd and launch work (diagnostic: on the
@@ -130,10 +134,6 @@ def _bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, **fie
         # CUDA graph (autograd runs a backward on its forward's stream, so both are captured; the
         # pattern of tests' graph-capture tests) less the forward's replay. At 58695ad the first
         # such capture, through torch.autograd.grad, failed (cudaErrorStreamCaptureInvalidated).
-        def fwd():
-            with _autocast(autocast)():
-                return fn(xg, wg, bg)
-
         def fwd_bwd():
             for t in leaves:
                 t.grad = None

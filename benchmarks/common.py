@@ -91,6 +91,14 @@ def host_profile(fn, calls, sleep_cycles):
     return host, pstats.Stats(prof)
 
 
+def top_host_functions(stats, calls, n):
+    """The n functions with the most own time in host_profile's stats: (own us per call, cumulative
+    us per call, times called per call, "file:line(name)")."""
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [(tot / calls * 1e6, cum / calls * 1e6, ncalls // calls, f"{file.split('site-packages/')[-1]}:{line}({name})")
+            for (file, line, name), (_, ncalls, tot, cum, _) in rows]
+
+
 def bench(fn, *, warmup=25, rep=100, grad_to_none=None):
     """(median, p20, p80) milliseconds. GPU: triton.testing.do_bench (L2 flushed between
     runs). CPU: wall clock of a few calls -- says nothing about GPU speed."""

@@ -9,7 +9,7 @@ import functools
 import sys
 
 import torch
-from ampkernels.benchmarks.common import graph_replay_ms, host_profile
+from ampkernels.benchmarks.common import graph_replay_ms, host_profile, top_host_functions
 from triton.testing import do_bench
 
 import ampkernels
@@ -42,10 +42,8 @@ def report(label, fn, flops):
 def print_host_profile(fn, calls=20):
     host, stats = host_profile(fn, calls, 2_000_000_000)  # ~1 s of GPU sleep ahead of the calls
     print(f"    host {host * 1e6:.0f} us per call; own host time, top functions over {calls} calls:")
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:12]
-    for (file, line, name), (_, ncalls, tottime, cumtime, _) in rows:
-        print(f"      {tottime / calls * 1e6:7.1f} us own {cumtime / calls * 1e6:7.1f} us cum {ncalls // calls:3d}x"
-              f" {file.split('site-packages/')[-1]}:{line}({name})")
+    for own, cum, times, where in top_host_functions(stats, calls, 12):
+        print(f"      {own:7.1f} us own {cum:7.1f} us cum {times:3d}x {where}")
 
 
 def train_step(backend, act):

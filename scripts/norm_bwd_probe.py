@@ -9,7 +9,7 @@ import functools
 import sys
 
 import torch
-from ampkernels.benchmarks.common import graph_replay_ms, host_profile
+from ampkernels.benchmarks.common import graph_replay_ms, host_profile, top_host_functions
 from triton.testing import do_bench
 
 import ampkernels
@@ -26,9 +26,7 @@ def spread(fn):
 
 def host(fn, calls=20):
     t, stats = host_profile(fn, calls, 2_000_000_000)  # ~1 s of GPU sleep ahead of the calls
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:8]
-    top = "; ".join(f"{tot / calls * 1e6:.1f} us {file.split('site-packages/')[-1].split('/')[-1]}:{line}({name})"
-                    for (file, line, name), (_, _, tot, _, _) in rows)
+    top = "; ".join(f"{own:.1f} us {where.split('/')[-1]}" for own, _, _, where in top_host_functions(stats, calls, 8))
     return f"{t * 1e6:.0f} us per call [{top}]"
 
 
