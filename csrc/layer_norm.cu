@@ -18,11 +18,10 @@
 // Tried at 14572ee: mean and variance in one exchange of merged (count, mean, M2) moments (Chan's
 // pairwise update) instead of two reductions ran 2.1-3.4 TB/s against two passes' 2.7-3.8 on the
 // H200, 10-25% slower at every N (benchmarks/results/h200-2026-11-30-14572ee-norm-ab.log).
-// AMPKERNELS_NORM_FWD_ONE_BARRIER=1 (an A/B switch, off, not yet measured): where a row spans
-// several warps, each warp centres its elements on its own mean and the warps' moments are
-// combined after one block barrier instead of two (one_barrier_stats; no divisions in the
-// shuffles, unlike the merged moments). CPU emulator (`driver fwd`): largest rstd error 1.6e-7 on
-// rows around 0, 7.5e-6 around 1000 (two passes: 1.3e-7, 7.5e-6), bitwise repeatable.
+// Tried at dcf3d2b: the statistics with one block barrier where a row spans several warps (each
+// warp centred on its own mean, the warps' moments combined by Chan's formula): within -4%..+3%
+// of two passes (16-bit or fp32 params), slower at N = 16384; dropped (h200-2026-11-30-dcf3d2b-
+// norm-ab.log; code: git show 0b33769).
 //
 // Backward. Three kernels, picked per call (bwd_pipe_config, bwd_config); all persistent: each
 // block loops over rows, writes dx (and dresidual when its dtype differs from dx's) and keeps its
@@ -277,51 +276,6 @@ __device__ __forceinline__ float centred_squares(const Pack<TK, kVec> (&v)[kIter
   return sq;
 }
 
-// Butterfly sum over a warp: every lane gets the same bits (as group_sum's first stage).
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
-// LayerNorm's mean and rstd for a group of several warps (G > 32) with one block barrier instead
-// of two: each warp centres its own elements on its own mean m_w, and the group combines the
-// warps' (sum s_w, count n_w, mean m_w, centred squares q_w) as Chan, Golub and LeVeque do:
-// M2 = sum_w [q_w + n_w (m_w - mean)^2]; differences of means, no sum of squares about zero, so
-// rows with a large mean keep their precision. The mean is the two-pass one's bit for bit (the
-// same warp sums added in warp order). s is this thread's sum of its elements.
-template <typename TK, int kVec, int kIters>
-__device__ __forceinline__ void one_barrier_stats(const Pack<TK, kVec> (&v)[kIters], float s, int t, int G,
-                                                  int64_t nvec, int64_t cols, float eps, float (&red)[4][32],
-                                                  float& mean, float& rstd) {
-  s = warp_sum(s);
-  int n = 0;  // vectors this warp holds: lanes 32w..32w+31 of each slot k (nvec <= G * kIters here)
-#pragma unroll
-  for (int k = 0; k < kIters; ++k) {
-    const int left = int(nvec) - k * G - (t & ~31);
-    n += left < 0 ? 0 : left > 32 ? 32 : left;
-  }
-  const float n_w = float(n * kVec), m_w = n > 0 ? s / n_w : 0.f;
-  const float q = warp_sum(centred_squares(v, m_w, t, G, nvec));
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) {
-    red[0][warp] = s;
-    red[1][warp] = n_w;
-    red[2][warp] = m_w;
-    red[3][warp] = q;
-  }
-  __syncthreads();
-  const int first = (threadIdx.x / G) * (G / 32);
-  float total = 0.f;
-  for (int w = 0; w < G / 32; ++w) total += red[0][first + w];
-  mean = total / float(cols);
-  float m2 = 0.f;
-  for (int w = 0; w < G / 32; ++w) {
-    const float d = red[2][first + w] - mean;
-    m2 += red[3][first + w] + red[1][first + w] * d * d;
-  }
-  rstd = rsqrtf(m2 / float(cols) + eps);
-}
-
 // ------------------------------------------------------------------ forward
 
 // One row per group of G threads (G a power of two, 1..512; the block holds blockDim.x / G rows).
@@ -332,11 +286,10 @@ __device__ __forceinline__ void one_barrier_stats(const Pack<TK, kVec> (&v)[kIte
 // the unrounded sum x + residual is what gets normalised). The params are read per vector after
 // the reductions (every row reads them: L1/L2 hits), their storage type fixed per dispatch (no
 // dtype branch per vector); each output vector is written as soon as it is computed.
-// kOneBarrier (LayerNorm with G > 32 only; AMPKERNELS_NORM_FWD_ONE_BARRIER=1): one_barrier_stats.
-template <typename T, bool kResidual, int kVec, int kIters, bool kOneBarrier>
+template <typename T, bool kResidual, int kVec, int kIters>
 __global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : 2) norm_fwd_kernel(const NormForwardArgs a, const int G) {
   using TK = std::conditional_t<kResidual, float, T>;
-  __shared__ float red_mean[1][32], red_var[1][32], red_stats[kOneBarrier ? 4 : 1][32];
+  __shared__ float red_mean[1][32], red_var[1][32];
   const int t = threadIdx.x % G;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
   const bool valid = row < a.rows;
@@ -363,27 +316,20 @@ __global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : 2) norm_fwd_kern
     load_tile_raw<T, kVec, kIters>(v, a.x, base, t, G, nvec, valid);
   }
 
-  float mean = 0.f, rstd;
-  float s[1] = {0.f};
+  float mean = 0.f;
   if (!a.is_rms) {
+    float s[1] = {0.f};
 #pragma unroll
     for (int k = 0; k < kIters; ++k)
 #pragma unroll
       for (int e = 0; e < kVec; ++e) s[0] += elem_f32(v[k], e);
+    group_sum<1>(s, G, red_mean, false);
+    mean = s[0] / float(a.cols);
   }
-  if constexpr (kOneBarrier) {
-    if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
-    one_barrier_stats(v, s[0], t, G, nvec, a.cols, a.eps, red_stats, mean, rstd);
-  } else {
-    if (!a.is_rms) {
-      group_sum<1>(s, G, red_mean, false);
-      mean = s[0] / float(a.cols);
-    }
-    if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
-    float sq[1] = {centred_squares(v, mean, t, G, nvec)};
-    group_sum<1>(sq, G, red_var, false);
-    rstd = rsqrtf(sq[0] / float(a.cols) + a.eps);
-  }
+  if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
+  float sq[1] = {centred_squares(v, mean, t, G, nvec)};
+  group_sum<1>(sq, G, red_var, false);
+  const float rstd = rsqrtf(sq[0] / float(a.cols) + a.eps);
   if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
   if (valid && t == 0) {
     if (a.mean != nullptr) a.mean[row] = mean;
@@ -1104,26 +1050,16 @@ struct PipeConfig {
                       // one instantiation, so concurrent host threads never shrink it under a launch
 };
 
-// AMPKERNELS_NORM_FWD_ONE_BARRIER=1, read once, for measuring: LayerNorm's register-tile forward
-// takes its statistics with one block barrier (one_barrier_stats) where a row spans several
-// warps. Unset or anything else: the two-pass group sums.
-bool fwd_one_barrier() {
-  static const bool on = [] {
-    const char* s = std::getenv("AMPKERNELS_NORM_FWD_ONE_BARRIER");
-    return s != nullptr && std::strcmp(s, "1") == 0;
-  }();
-  return on;
-}
-
 // Takes 16-bit x/dy in 16-byte chunks with dx (and dresidual_out, if any) in x's dtype and no
 // separate dresidual; params of any dtype. Rows of up to 512 x 4 chunks (N = 16384 at 16 bits).
 // kIters in 2..4 by a model of the used fraction of the SM: (owned slots / all slots) x
-// (resident threads / 512), 512 being what ~128 registers per thread allow; ties: fewer
-// registers. E.g. N = 1536: 3 x 64 threads (2 blocks of 256 per SM) over 2 x 96 (2 x 192).
-// Open: the tie-break gives kIters 2 at N = 1024..8192 (32 KB of x/dy a stage per SM; at 8192
-// one 512-thread block per SM, block-wide barriers per row), and those N ran 3.0-3.6 TB/s at
-// 58695ad against 3.6 at N = 768 (kIters 3, warp-wide rows); kIters 4 would hold 64 KB a stage
-// and, at 8192, two 256-thread blocks. Not yet timed: GPU_NORM_TUNE=ab scripts/gpu_run.sh.
+// (resident threads / 512), 512 being what ~128 registers per thread allow. E.g. N = 1536:
+// 3 x 64 threads (2 blocks of 256 per SM) over 2 x 96 (2 x 192). Ties go to the most chunks a
+// thread where a row still spans two warps or more, else to the fewest: at dcf3d2b (h200-2026-
+// 11-30-dcf3d2b-norm-ab.log) kIters 4 over 2 ran 3.52 against 3.26 TB/s at N = 4096 (bf16
+// LayerNorm), 3.25-3.27 against 3.04-3.14 at 8192, 3.55 against 3.31-3.46 at 2048 (the same
+// bytes in flight per SM, half the threads a row: fewer shuffles and barriers per byte), but at
+// N = 1024, where it makes rows of one warp, 3.48 against 3.62 for bf16 (fp16 3.51 / 3.46).
 // AMPKERNELS_NORM_BWD_PIPE, read once, for measuring: "0" turns the pipelined backward off (the
 // other kernels take every call: old and new side by side from one build), "2", "3" or "4"
 // forces its kIters (where that fits; else the other kernels). Unset or anything else: the model.
@@ -1162,7 +1098,8 @@ cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
     const int64_t by_smem = int64_t(per_sm) / int64_t(c.smem + kPipeStaticSmem + 1024);  // 1 KiB reserved per block
     const int64_t blocks = std::min<int64_t>(kPipeMaxThreads / c.threads, by_smem);
     const int64_t num = nvec * blocks * c.threads, den = iters * group;  // (nvec / slots) x resident threads
-    if (blocks > 0 && (best.iters == 0 || num * best_den > best_num * den)) {
+    const bool better = num * best_den > best_num * den, tie = num * best_den == best_num * den;
+    if (blocks > 0 && (best.iters == 0 || better || (tie && group >= 64))) {
       best = c;
       best_num = num;
       best_den = den;
@@ -1213,7 +1150,6 @@ cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
 cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.cols == 0) return cudaSuccess;
   const TileConfig c = fwd_config(a);
-  const bool one_barrier = !a.is_rms && c.group > 32 && fwd_one_barrier();
   return dispatch_vec(a.x_dtype, c.vec, [&]<typename T, int kVec>() {
     if (c.iters == 0) {
       if (a.rows > 0x7fffffff) return cudaErrorInvalidConfiguration;
@@ -1223,13 +1159,11 @@ cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
     const int64_t blocks = ceil_div(a.rows, c.threads / c.group);
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     return dispatch_iters(c.iters, [&]<int kIters>() {
-      auto launch = [&]<bool kResidual, bool kOneBarrier>() {
-        norm_fwd_kernel<T, kResidual, kVec, kIters, kOneBarrier><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
-      };
-      if (a.residual != nullptr && one_barrier) launch.template operator()<true, true>();
-      else if (a.residual != nullptr) launch.template operator()<true, false>();
-      else if (one_barrier) launch.template operator()<false, true>();
-      else launch.template operator()<false, false>();
+      if (a.residual != nullptr) {
+        norm_fwd_kernel<T, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+      } else {
+        norm_fwd_kernel<T, false, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+      }
       return cudaGetLastError();
     });
   });

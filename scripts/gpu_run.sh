@@ -15,10 +15,8 @@
 # providers (liger-kernel) measured beside ours.
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
 # GPU_NORM_TUNE=1 runs the Triton norm forward's launch sweep (fp16, bf16) into norm-sweep.jsonl
-# (progress in norm-tune.log); GPU_NORM_TUNE=ab the A/B runs of the CUDA norm switches not yet
-# decided (scripts/norm_ab.py: the forward with and without AMPKERNELS_NORM_FWD_ONE_BARRIER=1,
-# 16-bit and fp32 params; the backward's pipeline depth, the model's pick, then kIters forced to
-# 3 and 4) into norm-tune.log.
+# (progress in norm-tune.log); GPU_NORM_TUNE=ab the CUDA norm backward's pipeline depth A/B
+# (scripts/norm_ab.py: the model's pick, then kIters forced to 2, 3 and 4) into norm-tune.log.
 # BENCH_SPREAD=1 on a machine with several GPUs runs the benchmark modules in parallel, one
 # process per module queued round-robin over the GPUs, rows merged. Off by default: at 9692629
 # the host load of one process (autotuning, torch.compile) slowed the other's host-bound rows
@@ -83,20 +81,16 @@ norm_tune() {
     cat "$OUT/norm-sweep-$d/results.jsonl" >>"$OUT/norm-sweep.jsonl" && rm -rf "$OUT/norm-sweep-$d"
   done
 }
-norm_switches_ab() {
-  local params k
-  for params in x fp32; do
-    $PY scripts/norm_ab.py --pass fwd --params $params &&
-      AMPKERNELS_NORM_FWD_ONE_BARRIER=1 $PY scripts/norm_ab.py --pass fwd --params $params || return
-  done
-  for k in "" 3 4; do
+norm_bwd_depth_ab() {
+  local k
+  for k in "" 2 3 4; do
     AMPKERNELS_NORM_BWD_PIPE=$k $PY scripts/norm_ab.py --pass bwd || return
   done
 }
 if [ "${GPU_NORM_TUNE:-0}" = 1 ]; then
   step norm_tune norm-tune.log norm_tune
 elif [ "${GPU_NORM_TUNE:-0}" = ab ]; then
-  step norm_tune norm-tune.log norm_switches_ab
+  step norm_tune norm-tune.log norm_bwd_depth_ab
 fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then
   step sanitize sanitize.log env OUT="$OUT" bash scripts/sanitize.sh

@@ -646,21 +646,6 @@ def test_gpu_sizes(backend, n, is_rms):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_fwd_one_barrier_switch():
-    """AMPKERNELS_NORM_FWD_ONE_BARRIER=1 (LayerNorm's statistics with one block barrier where a
-    row spans several warps, an A/B switch read once per process): the CUDA size and dtype tests
-    again, in a process with it on. (Checked without a GPU by tools/kernel_emu's `driver fwd`.)"""
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "AMPKERNELS_NORM_FWD_ONE_BARRIER": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", __file__, "-k",
-                        "(test_gpu_sizes or test_gpu_dtype_combos) and cuda"], env=env, capture_output=True, text=True,
-                       timeout=600, check=False)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype,pdtype", DTYPE_COMBOS)
 @pytest.mark.parametrize("is_rms", [False, True])
