@@ -968,6 +968,18 @@ struct TileConfig {
   int vec, group, iters, threads;  // iters == 0: the looped kernel
 };
 
+// AMPKERNELS_NORM_FWD_ITERS=1|2|3, read once, for measuring: the register-tile forward's
+// target vectors per thread (default 4). Fewer vectors a thread, more threads a row: a shorter
+// serial chain per row between its loads and its stores (Triton's LayerNorm forward, 3.9-4.0
+// TB/s at N = 2048..8192, runs 16 elements a thread where this kernel runs 32, at 3.3-3.7).
+int fwd_target_iters() {
+  static const int v = [] {
+    const char* s = std::getenv("AMPKERNELS_NORM_FWD_ITERS");
+    return s != nullptr && s[0] >= '1' && s[0] <= '3' && s[1] == 0 ? s[0] - '0' : kFwdMaxIters;
+  }();
+  return v;
+}
+
 // Up to 4 vectors (64 bytes of 16-bit x) per thread: enough loads in flight per thread, and
 // the fewest threads per row (so most rows share no block-wide reductions). iters is 1..4, not
 // rounded up to a power of two, so no register slot is wasted (N = 768: 32 threads x 3 vectors).
@@ -975,7 +987,7 @@ TileConfig fwd_config(const NormForwardArgs& a) {
   const int vec = fwd_vec(a);
   const int64_t nvec = a.cols / vec;
   if (nvec > int64_t(kFwdMaxGroup) * kFwdMaxIters) return {vec, 0, 0, kLoopedThreads};
-  const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, kFwdMaxIters)));
+  const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, fwd_target_iters())));
   const int iters = int(ceil_div(nvec, group));
   return {vec, group, iters, std::max(group, 128)};
 }
