@@ -22,6 +22,10 @@
 // warp centred on its own mean, the warps' moments combined by Chan's formula): within -4%..+3%
 // of two passes (16-bit or fp32 params), slower at N = 16384; dropped (h200-2026-11-30-dcf3d2b-
 // norm-ab.log; code: git show 0b33769).
+// Tried at 1622f6b: fewer vectors a thread (3, 2, 1 instead of up to 4; more threads a row, as
+// Triton's 16 elements a thread): 15-35% slower wherever it changed the tile, for both norms,
+// both params dtypes (h200-2026-11-30-1622f6b-norm-fwd-iters-ab.log). Bytes in flight per thread
+// are what this kernel lives on; more of them (two rows a thread, or 8 vectors) is the next try.
 //
 // Backward. Three kernels, picked per call (bwd_pipe_config, bwd_config); all persistent: each
 // block loops over rows, writes dx (and dresidual when its dtype differs from dx's) and keeps its
@@ -968,18 +972,6 @@ struct TileConfig {
   int vec, group, iters, threads;  // iters == 0: the looped kernel
 };
 
-// AMPKERNELS_NORM_FWD_ITERS=1|2|3, read once, for measuring: the register-tile forward's
-// target vectors per thread (default 4). Fewer vectors a thread, more threads a row: a shorter
-// serial chain per row between its loads and its stores (Triton's LayerNorm forward, 3.9-4.0
-// TB/s at N = 2048..8192, runs 16 elements a thread where this kernel runs 32, at 3.3-3.7).
-int fwd_target_iters() {
-  static const int v = [] {
-    const char* s = std::getenv("AMPKERNELS_NORM_FWD_ITERS");
-    return s != nullptr && s[0] >= '1' && s[0] <= '3' && s[1] == 0 ? s[0] - '0' : kFwdMaxIters;
-  }();
-  return v;
-}
-
 // Up to 4 vectors (64 bytes of 16-bit x) per thread: enough loads in flight per thread, and
 // the fewest threads per row (so most rows share no block-wide reductions). iters is 1..4, not
 // rounded up to a power of two, so no register slot is wasted (N = 768: 32 threads x 3 vectors).
@@ -987,7 +979,7 @@ TileConfig fwd_config(const NormForwardArgs& a) {
   const int vec = fwd_vec(a);
   const int64_t nvec = a.cols / vec;
   if (nvec > int64_t(kFwdMaxGroup) * kFwdMaxIters) return {vec, 0, 0, kLoopedThreads};
-  const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, fwd_target_iters())));
+  const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, kFwdMaxIters)));
   const int iters = int(ceil_div(nvec, group));
   return {vec, group, iters, std::max(group, 128)};
 }

@@ -16,9 +16,7 @@
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
 # GPU_NORM_TUNE=1 runs the Triton norm forward's launch sweep (fp16, bf16) into norm-sweep.jsonl
 # (progress in norm-tune.log); GPU_NORM_TUNE=ab the CUDA norm backward's pipeline depth A/B
-# (scripts/norm_ab.py: the model's pick, then kIters forced to 2, 3 and 4) into norm-tune.log;
-# GPU_NORM_TUNE=fwd the CUDA norm forward's vectors per thread (AMPKERNELS_NORM_FWD_ITERS unset
-# = 4, then 3, 2, 1), 16-bit and fp32 params, into norm-tune.log.
+# (scripts/norm_ab.py: the model's pick, then kIters forced to 2, 3 and 4) into norm-tune.log.
 # BENCH_SPREAD=1 on a machine with several GPUs runs the benchmark modules in parallel, one
 # process per module queued round-robin over the GPUs, rows merged. Off by default: at 9692629
 # the host load of one process (autotuning, torch.compile) slowed the other's host-bound rows
@@ -89,20 +87,10 @@ norm_bwd_depth_ab() {
     AMPKERNELS_NORM_BWD_PIPE=$k $PY scripts/norm_ab.py --pass bwd || return
   done
 }
-norm_fwd_iters_ab() {
-  local params k
-  for params in x fp32; do
-    for k in "" 3 2 1; do
-      AMPKERNELS_NORM_FWD_ITERS=$k $PY scripts/norm_ab.py --pass fwd --params $params || return
-    done
-  done
-}
 if [ "${GPU_NORM_TUNE:-0}" = 1 ]; then
   step norm_tune norm-tune.log norm_tune
 elif [ "${GPU_NORM_TUNE:-0}" = ab ]; then
   step norm_tune norm-tune.log norm_bwd_depth_ab
-elif [ "${GPU_NORM_TUNE:-0}" = fwd ]; then
-  step norm_tune norm-tune.log norm_fwd_iters_ab
 fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then
   step sanitize sanitize.log env OUT="$OUT" bash scripts/sanitize.sh
