@@ -14,6 +14,8 @@
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
+# GPU_NCU=1 runs scripts/ncu_norm.sh (Nsight Compute over single norm forward launches; NCU_*
+# variables pass on) into ncu-norm.txt.
 # GPU_NORM_TUNE=1 runs the Triton norm forward's launch sweep (fp16, bf16) into norm-sweep.jsonl
 # (progress in norm-tune.log); GPU_NORM_TUNE=ab the CUDA norm backward's pipeline depth A/B
 # (scripts/norm_ab.py: the model's pick, then kIters forced to 2, 3 and 4) into norm-tune.log.
@@ -94,6 +96,9 @@ elif [ "${GPU_NORM_TUNE:-0}" = ab ]; then
 fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then
   step sanitize sanitize.log env OUT="$OUT" bash scripts/sanitize.sh
+fi
+if [ "${GPU_NCU:-0}" = 1 ]; then
+  step ncu ncu.log env OUT="$OUT" bash scripts/ncu_norm.sh
 fi
 bench_spread() {  # one benchmark module per process, queued round-robin over the $ngpu GPUs
   local ops=$1 i=0 op
