@@ -276,7 +276,7 @@ def test_triton_interpret_bwd_after_a_refused_launch(monkeypatch):
         return real(cfg, *args)
 
     monkeypatch.setattr(tln, "_bwd_launch", launch)
-    monkeypatch.setattr(tln, "_BWD_REFIT", {})
+    monkeypatch.setattr(tln, "_BWD_CONFIGS", {})
     x, w, b = _inputs(5, 40, torch.float16, "cpu", torch.float32)
     _check(False, x, w, b, "triton", residual=randn(5, 40, dtype=torch.float16))
     assert [c[5] for c in tried[:-1]] == list(range(tried[0][5], 0, -1)) and tried[-1][4], tried

@@ -10,3 +10,9 @@ def on_device(x):
     if x.is_cuda and x.device.index != torch.cuda.current_device():
         return torch.cuda.device(x.device)
     return contextlib.nullcontext()
+
+
+def cdiv(a, b):
+    """Ceiling division for launch grids in host code: triton.cdiv is a constexpr_function in
+    Triton 3.8 (argument unwrapping on every call), several microseconds a call on the host."""
+    return -(-a // b)

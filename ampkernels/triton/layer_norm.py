@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import on_device
+from . import cdiv, on_device
 
 _MAX_FWD_BLOCK = 16384  # elements of a row held in registers by the forward
 _MAX_BWD_BLOCK = 8192   # ... by the backward with x, dy, weight and the dweight/dbias sums (16384 spills)
@@ -497,7 +497,7 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     block, rows, warps, params_first = _fwd_config(N, wide_params)
     with on_device(x):
         if block <= _MAX_FWD_BLOCK:
-            _norm_fwd_kernel[(triton.cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows,
+            _norm_fwd_kernel[(cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows,
                                                       PARAMS_FIRST=params_first, num_warps=warps)
         else:
             _norm_fwd_looped_kernel[(M,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=16)
@@ -519,14 +519,18 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
     db = torch.empty(N if want_dbias else 0, dtype=param_dtype, device=x.device)
     if M == 0 or N == 0:
         return dx, dres, dw.zero_(), db.zero_()
-    cfg = _bwd_fit(_bwd_config(N), _smem_per_program(x.device), x, dy, weight, dresidual_out)
-    # the fit models the pipeline's buffers; the compiler's own use can exceed it (with Triton
-    # 3.8, N = 16384 with dresidual_out: 14 KB more, past the H200's 227 KB): then Triton refuses
-    # the launch, and a smaller config runs, remembered per config, dtypes and device
-    key = (cfg, x.dtype, dy.dtype, weight.dtype if weight is not None else None,
+    # the launch config depends on the table's config for N, the dtypes and the GPU only: fitted
+    # once per such key (a call costs the host little besides Triton's own launches). The fit
+    # models the pipeline's buffers; the compiler's own use can exceed it (with Triton 3.8,
+    # N = 16384 with dresidual_out: 14 KB more, past the H200's 227 KB): then Triton refuses the
+    # launch, and the next smaller config that launches is what the key keeps
+    table_cfg = _bwd_config(N)
+    key = (table_cfg, x.dtype, dy.dtype, weight.dtype if weight is not None else None,
            dresidual_out.dtype if dresidual_out is not None else None, dres.dtype if dres.numel() else None,
            want_dweight, want_dbias, x.device)
-    cfg = _BWD_REFIT.get(key, cfg)
+    cfg = _BWD_CONFIGS.get(key)
+    if cfg is None:
+        cfg = _BWD_CONFIGS[key] = _bwd_fit(table_cfg, _smem_per_program(x.device), x, dy, weight, dresidual_out)
     while True:
         try:
             _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx, dres, dw,
@@ -536,11 +540,11 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
             smaller = _smaller_bwd_config(cfg, x, dy, weight)
             if smaller is None:
                 raise
-            cfg = _BWD_REFIT[key] = smaller
+            cfg = _BWD_CONFIGS[key] = smaller
     return dx, dres, dw, db
 
 
-_BWD_REFIT = {}  # norm_bwd's launch key -> the smaller config that fit (see norm_bwd)
+_BWD_CONFIGS = {}  # norm_bwd's launch key -> the config it launches (see norm_bwd)
 
 
 def _smaller_bwd_config(cfg, x, dy, weight):
@@ -558,9 +562,9 @@ def _smaller_bwd_config(cfg, x, dy, weight):
 def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx, dres, dw, db):
     M, N = x.shape
     block, rows, warps, per_sm, looped, stages = cfg
-    progs = min(triton.cdiv(M, rows), _sms(x.device) * per_sm)
-    rows_per_prog = triton.cdiv(triton.cdiv(M, progs), rows) * rows
-    progs = triton.cdiv(M, rows_per_prog)
+    progs = min(cdiv(M, rows), _sms(x.device) * per_sm)
+    rows_per_prog = cdiv(cdiv(M, progs), rows) * rows
+    progs = cdiv(M, rows_per_prog)
     dummy = x
     # the programs' fp32 partial rows: [dweight's, then dbias's], each (progs, N)
     partials = torch.empty((want_dweight + want_dbias, progs, N), dtype=torch.float32, device=x.device)
@@ -579,6 +583,6 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
                                        RELOAD=block > _MAX_BWD_BLOCK, MASKED=rows > 1 or block != N, num_warps=warps)
         if partials.shape[0]:
             first, last = (dw if want_dweight else db), (db if want_dbias else dw)
-            _col_sum_kernel[(triton.cdiv(N, 128), partials.shape[0])](partials, first, last, progs, N, BLOCK_R=16,
+            _col_sum_kernel[(cdiv(N, 128), partials.shape[0])](partials, first, last, progs, N, BLOCK_R=16,
                                                                      BLOCK_C=128, num_warps=4)
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import on_device
+from . import cdiv, on_device
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -297,7 +297,7 @@ def _fwd(x, weight, bias, act_id, store_pre, tma):
         programs = 1 << 30
 
     def grid(meta):
-        return (min(programs, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        return (min(programs, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
 
     b_arg = bias if bias is not None else x
     pre_arg = pre if store_pre else y
@@ -356,7 +356,7 @@ def linear_act_dz(dy, saved, act_id, want_dbias, out=None):
     # 64 x 128 tiles, 16 rows at a time: 16-byte vectors along N, 16 elements per thread, and
     # enough rows per program to keep the dbias partials small
     BLOCK_M, BLOCK_N, SUB_M = (32, 32, 16) if _INTERPRET else (64, 128, 16)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
     part = torch.empty((grid[0], N), dtype=torch.float32, device=dy.device) if want_dbias else dz
     with on_device(dy):
         _linear_act_dz_kernel[grid](dy, saved, dz, part, M, N, ACT=act_id, WANT_PARTIAL=want_dbias,
