@@ -498,7 +498,7 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     with on_device(x):
         if block <= _MAX_FWD_BLOCK:
             _norm_fwd_kernel[(cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows,
-                                                      PARAMS_FIRST=params_first, num_warps=warps)
+                                               PARAMS_FIRST=params_first, num_warps=warps)
         else:
             _norm_fwd_looped_kernel[(M,)](*args, **flags, BLOCK_N=_LOOP_BLOCK, num_warps=16)
     return out, res_out, mean, rstd
@@ -584,5 +584,5 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
         if partials.shape[0]:
             first, last = (dw if want_dweight else db), (db if want_dbias else dw)
             _col_sum_kernel[(cdiv(N, 128), partials.shape[0])](partials, first, last, progs, N, BLOCK_R=16,
-                                                                     BLOCK_C=128, num_warps=4)
+                                                               BLOCK_C=128, num_warps=4)
 
