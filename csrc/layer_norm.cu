@@ -1102,8 +1102,8 @@ cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
     const int64_t by_smem = int64_t(per_sm) / int64_t(c.smem + kPipeStaticSmem + 1024);  // 1 KiB reserved per block
     const int64_t blocks = std::min<int64_t>(kPipeMaxThreads / c.threads, by_smem);
     const int64_t num = nvec * blocks * c.threads, den = iters * group;  // (nvec / slots) x resident threads
-    const bool better = num * best_den > best_num * den, tie = num * best_den == best_num * den;
-    if (blocks > 0 && (best.iters == 0 || better || (tie && group >= 64))) {
+    const int64_t lhs = num * best_den, rhs = best_num * den;  // this config's value against the best's
+    if (blocks > 0 && (best.iters == 0 || lhs > rhs || (lhs == rhs && group >= 64))) {
       best = c;
       best_num = num;
       best_den = den;

@@ -9,8 +9,7 @@ import functools
 import sys
 
 import torch
-from ampkernels.benchmarks.common import graph_replay_ms, host_profile, top_host_functions
-from triton.testing import do_bench
+from ampkernels.benchmarks.common import bench, graph_replay_ms, host_profile, top_host_functions
 
 import ampkernels
 from ampkernels.triton import layer_norm as tln
@@ -20,7 +19,7 @@ dtype = torch.bfloat16
 
 
 def spread(fn):
-    p50, p20, p80 = do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8])
+    p50, p20, p80 = bench(fn, rep=200)
     return f"{p50 * 1e3:.1f} us (p20 {p20 * 1e3:.1f}, p80 {p80 * 1e3:.1f})"
 
 
