@@ -157,7 +157,13 @@ __device__ __forceinline__ void load_tile_raw(Pack<TS, kVec> (&raw)[kIters], con
 #pragma unroll
   for (int k = 0; k < kIters; ++k) {
     const int64_t j = t + int64_t(k) * G;
-    if (valid && j < nvec) {
+    if constexpr (sizeof(Pack<TS, kVec>) == 16) {
+      // as one 128-bit word: the compiler otherwise selects load-or-zero per 16-bit element (a
+      // byte permute each)
+      uint4 u = make_uint4(0u, 0u, 0u, 0u);
+      if (valid && j < nvec) u = *reinterpret_cast<const uint4*>(static_cast<const TS*>(p) + base + j * kVec);
+      memcpy(&raw[k], &u, 16);
+    } else if (valid && j < nvec) {
       raw[k] = *reinterpret_cast<const Pack<TS, kVec>*>(static_cast<const TS*>(p) + base + j * kVec);
     } else {
 #pragma unroll
@@ -282,90 +288,83 @@ __device__ __forceinline__ float centred_squares(const Pack<TK, kVec> (&v)[kIter
 
 // ------------------------------------------------------------------ forward
 
-// kRows rows per group of G threads (G a power of two, 1..512; the block holds blockDim.x / G
-// groups). Thread t holds vectors t, t + G, ..., t + (kIters - 1) * G of each of its rows; all its
-// loads of x (and residual) are issued before the first reduction. Between the passes the rows
-// stay in registers in x's own storage type (16-bit x: half the registers of fp32, so two
-// 512-thread blocks fit per SM and one block's reductions overlap another's loads), or in fp32
-// with a residual (kResidual, one row: the unrounded sum x + residual is what gets normalised).
-// The params are read per vector after the reductions (every group reads them: L1/L2 hits), their
-// storage type fixed per dispatch (no dtype branch per vector), once for the group's kRows rows;
-// each output vector is written as soon as it is computed. kRows = 2 shares the params' loads
-// and conversions, the reductions' exchanges and barriers, and the row set-up between two rows.
-template <typename T, bool kResidual, int kVec, int kIters, int kRows>
-__global__ void __launch_bounds__(kFwdMaxGroup, kResidual || kRows * kIters > kFwdMaxIters ? 1 : 2)
-    norm_fwd_kernel(const NormForwardArgs a, const int G) {
-  static_assert(!kResidual || kRows == 1);
-  using TK = std::conditional_t<kResidual, float, T>;
-  __shared__ float red_mean[kRows][32], red_var[kRows][32];
+// One row per group of G threads (G a power of two, 1..512; the block holds blockDim.x / G rows).
+// Thread t holds the row's vectors t, t + G, ..., t + (kIters - 1) * G; all its loads of x (and
+// residual) are issued before the first reduction. Between the passes the row stays in registers
+// either in x's own storage type (16-bit x: half the registers of fp32, so two 512-thread blocks
+// fit per SM and one block's reductions overlap another's loads; every pass converts it again),
+// or, kFloatTile, in fp32, centred in place once the mean is known (fewer instructions: one
+// conversion and one subtraction per element; always with a residual, kResidual: the unrounded
+// sum x + residual is what gets normalised). The params are read per vector after the reductions
+// (every row reads them: L1/L2 hits), their storage type fixed per dispatch (no dtype branch per
+// vector); each output vector is written as soon as it is computed.
+template <typename T, bool kResidual, bool kFloatTile, int kVec, int kIters>
+__global__ void __launch_bounds__(kFwdMaxGroup, kFloatTile ? 1 : 2) norm_fwd_kernel(const NormForwardArgs a, const int G) {
+  static_assert(kFloatTile || !kResidual);
+  using TK = std::conditional_t<kFloatTile, float, T>;
+  __shared__ float red_mean[1][32], red_var[1][32];
   const int t = threadIdx.x % G;
-  const int64_t first_row = (int64_t(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G) * kRows;
-  const int64_t nvec = a.cols / kVec;
-  bool valid[kRows];
-  int64_t base[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    valid[r] = first_row + r < a.rows;
-    base[r] = (first_row + r) * a.cols;
-  }
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
+  const bool valid = row < a.rows;
+  const int64_t nvec = a.cols / kVec, base = row * a.cols;
 
-  Pack<TK, kVec> v[kRows][kIters];  // slots outside the row, and invalid rows, hold 0
-  if constexpr (kResidual) {
+  Pack<TK, kVec> v[kIters];  // slots outside the row, and invalid rows, hold 0
+  if constexpr (kFloatTile) {
     Pack<T, kVec> raw[kIters];
-    load_tile_raw<T, kVec, kIters>(raw, a.x, base[0], t, G, nvec, valid[0]);
-    float r[kIters][kVec];
-    load_tile<kVec, kIters>(r, a.residual, a.residual_dtype, base[0], t, G, nvec, valid[0]);
+    load_tile_raw<T, kVec, kIters>(raw, a.x, base, t, G, nvec, valid);
+    float r[kIters][kVec] = {};
+    if constexpr (kResidual) load_tile<kVec, kIters>(r, a.residual, a.residual_dtype, base, t, G, nvec, valid);
 #pragma unroll
     for (int k = 0; k < kIters; ++k)
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[0][k].e[e] = elem_f32(raw[k], e) + r[k][e];
-    if (a.residual_out != nullptr) {
+      for (int e = 0; e < kVec; ++e) v[k].e[e] = elem_f32(raw[k], e) + r[k][e];
+    if (kResidual && a.residual_out != nullptr) {
 #pragma unroll
       for (int k = 0; k < kIters; ++k) {
         const int64_t j = t + int64_t(k) * G;
-        if (valid[0] && j < nvec) store_vec<kVec>(a.residual_out, a.residual_out_dtype, base[0] + j * kVec, v[0][k].e);
+        if (valid && j < nvec) store_vec<kVec>(a.residual_out, a.residual_out_dtype, base + j * kVec, v[k].e);
       }
     }
   } else {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) load_tile_raw<T, kVec, kIters>(v[r], a.x, base[r], t, G, nvec, valid[r]);
+    load_tile_raw<T, kVec, kIters>(v, a.x, base, t, G, nvec, valid);
   }
 
-  float mean[kRows] = {};
+  float mean = 0.f;
   if (!a.is_rms) {
+    float s[1] = {0.f};
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
+    for (int k = 0; k < kIters; ++k)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s[0] += elem_f32(v[k], e);
+    group_sum<1>(s, G, red_mean, false);
+    mean = s[0] / float(a.cols);
+  }
+  float center = mean;  // what the passes below subtract from the tile
+  if constexpr (kFloatTile) {
+    if (!a.is_rms) {
 #pragma unroll
       for (int k = 0; k < kIters; ++k)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) mean[r] += elem_f32(v[r][k], e);
-    group_sum<kRows>(mean, G, red_mean, false);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) mean[r] /= float(a.cols);
-  }
-  float rstd[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v[r]);
-    rstd[r] = centred_squares(v[r], mean[r], t, G, nvec);
-  }
-  group_sum<kRows>(rstd, G, red_var, false);
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    rstd[r] = rsqrtf(rstd[r] / float(a.cols) + a.eps);
-    if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v[r]);
-    if (valid[r] && t == 0) {
-      if (a.mean != nullptr) a.mean[first_row + r] = mean[r];
-      a.rstd[first_row + r] = rstd[r];
+        for (int e = 0; e < kVec; ++e) v[k].e[e] -= mean;
     }
+    center = 0.f;
+  }
+  if constexpr (!kFloatTile && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
+  float sq[1] = {centred_squares(v, center, t, G, nvec)};
+  group_sum<1>(sq, G, red_var, false);
+  const float rstd = rsqrtf(sq[0] / float(a.cols) + a.eps);
+  if constexpr (!kFloatTile && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
+  if (valid && t == 0) {
+    if (a.mean != nullptr) a.mean[row] = mean;
+    a.rstd[row] = rstd;
   }
 
   auto normalise = [&]<typename TP>() {
 #pragma unroll
     for (int k = 0; k < kIters; ++k) {
       const int64_t j = t + int64_t(k) * G;
-      if (!(valid[0] && j < nvec)) continue;  // a group's later rows are valid only if its first is
-      float w[kVec], b[kVec];
+      if (!(valid && j < nvec)) continue;
+      float w[kVec], b[kVec], y[kVec];
       if (a.weight != nullptr) {
         load_pack<TP, kVec>(a.weight, j * kVec, w);
       } else {
@@ -379,13 +378,8 @@ __global__ void __launch_bounds__(kFwdMaxGroup, kResidual || kRows * kIters > kF
         for (int e = 0; e < kVec; ++e) b[e] = 0.f;
       }
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (!valid[r]) continue;
-        float y[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) y[e] = (elem_f32(v[r][k], e) - mean[r]) * rstd[r] * w[e] + b[e];
-        store_vec<kVec>(a.out, a.out_dtype, base[r] + j * kVec, y);
-      }
+      for (int e = 0; e < kVec; ++e) y[e] = (elem_f32(v[k], e) - center) * rstd * w[e] + b[e];
+      store_vec<kVec>(a.out, a.out_dtype, base + j * kVec, y);
     }
   };
   switch (a.param_dtype) {
@@ -995,26 +989,19 @@ int bwd_vec(const NormBackwardArgs& a) {
 
 struct TileConfig {
   int vec, group, iters, threads;  // iters == 0: the looped kernel
-  int rows = 1;                    // forward: rows per group of threads (1 or 2)
+  bool float_tile = false;         // forward, 16-bit x: the row kept in fp32 registers
 };
 
-// AMPKERNELS_NORM_FWD_ROWS, read once, for measuring two rows a group of threads in the forward
-// (16-bit x, 16-byte vectors, no residual) against one: "2" keeps a thread's bytes in flight
-// (up to 2 vectors of each row), "2x4" doubles them (up to 4 vectors of each row, one block per
-// SM at 512 threads). Why: Nsight Compute at c2c6bb7 (benchmarks/results/h200-2026-11-30-
-// c2c6bb7-ncu-norm.txt) has the LayerNorm forward at N = 4096 issuing an instruction on 80% of
-// scheduler cycles, about 990 a warp against the Triton forward's 540 for the same rows; the
-// params' loads and conversions, the reductions and the row set-up are per row, and with fp32
-// params (the AMP case) the params are 4x x's bytes through L1 on every row.
-struct FwdRows {
-  int rows, iters;
-};
-FwdRows fwd_rows_override() {
-  static const FwdRows v = [] {
-    const char* s = std::getenv("AMPKERNELS_NORM_FWD_ROWS");
-    if (s != nullptr && std::strcmp(s, "2") == 0) return FwdRows{2, 2};
-    if (s != nullptr && std::strcmp(s, "2x4") == 0) return FwdRows{2, kFwdMaxIters};
-    return FwdRows{1, kFwdMaxIters};
+// AMPKERNELS_NORM_FWD_TILE=f32 (read once, for measuring): the forward keeps a 16-bit row in
+// fp32 registers, centred once (norm_fwd_kernel's kFloatTile), instead of raw and converted on
+// every pass. Why: Nsight Compute at c2c6bb7 (benchmarks/results/h200-2026-11-30-c2c6bb7-ncu-
+// norm.txt) has the LayerNorm forward at N = 4096 issuing an instruction on 80% of scheduler
+// cycles, about 990 a warp against the Triton forward's 540 (which keeps fp32 x: 80 registers,
+// 37.5% occupancy, 3.99 TB/s).
+bool fwd_float_tile_override() {
+  static const bool v = [] {
+    const char* s = std::getenv("AMPKERNELS_NORM_FWD_TILE");
+    return s != nullptr && std::strcmp(s, "f32") == 0;
   }();
   return v;
 }
@@ -1026,11 +1013,10 @@ TileConfig fwd_config(const NormForwardArgs& a) {
   const int vec = fwd_vec(a);
   const int64_t nvec = a.cols / vec;
   if (nvec > int64_t(kFwdMaxGroup) * kFwdMaxIters) return {vec, 0, 0, kLoopedThreads};
-  const bool pairable = a.residual == nullptr && elem_size(a.x_dtype) == 2 && vec > 1;
-  const FwdRows r = pairable ? fwd_rows_override() : FwdRows{1, kFwdMaxIters};
-  const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, r.iters)));
+  const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, kFwdMaxIters)));
   const int iters = int(ceil_div(nvec, group));
-  return {vec, group, iters, std::max(group, 128), r.rows};
+  const bool float_tile = elem_size(a.x_dtype) == 2 && vec > 1 && fwd_float_tile_override();
+  return {vec, group, iters, std::max(group, 128), float_tile};
 }
 
 // At most 2 vectors per thread: x, dy, w and dx tiles stay in registers at 1024 threads.
@@ -1209,19 +1195,19 @@ cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
       norm_fwd_looped_kernel<T, kVec><<<unsigned(a.rows), c.threads, 0, stream>>>(a);
       return cudaGetLastError();
     }
-    const int64_t blocks = ceil_div(a.rows, int64_t(c.threads / c.group) * c.rows);
+    const int64_t blocks = ceil_div(a.rows, c.threads / c.group);
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     return dispatch_iters(c.iters, [&]<int kIters>() {
       if (a.residual != nullptr) {
-        norm_fwd_kernel<T, true, kVec, kIters, 1><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+        norm_fwd_kernel<T, true, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
       } else if constexpr (sizeof(T) == 2 && kVec > 1) {
-        if (c.rows == 2) {
-          norm_fwd_kernel<T, false, kVec, kIters, 2><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+        if (c.float_tile) {
+          norm_fwd_kernel<T, false, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
         } else {
-          norm_fwd_kernel<T, false, kVec, kIters, 1><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+          norm_fwd_kernel<T, false, false, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
         }
       } else {
-        norm_fwd_kernel<T, false, kVec, kIters, 1><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+        norm_fwd_kernel<T, false, false, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
       }
       return cudaGetLastError();
     });
