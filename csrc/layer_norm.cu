@@ -25,7 +25,17 @@
 // Tried at 1622f6b: fewer vectors a thread (3, 2, 1 instead of up to 4; more threads a row, as
 // Triton's 16 elements a thread): 15-35% slower wherever it changed the tile, for both norms,
 // both params dtypes (h200-2026-11-30-1622f6b-norm-fwd-iters-ab.log). Bytes in flight per thread
-// are what this kernel lives on; more of them (two rows a thread, or 8 vectors) is the next try.
+// are what this kernel lives on.
+// Nsight Compute at c2c6bb7 (h200-2026-11-30-c2c6bb7-ncu-norm.txt; scripts/ncu_norm.sh): the
+// LayerNorm forward at N = 4096 issued an instruction on 80% of scheduler cycles, ~990 a warp
+// against ~540 for Triton's (which keeps x in fp32: 80 registers, 37.5% occupancy, 3.99 TB/s).
+// Two tries at fewer instructions a row, both A/B'd from one build and dropped:
+// - two rows a group of threads, sharing the params' loads, the exchanges and the row set-up
+//   (at 8bc7e59, h200-2026-11-30-8bc7e59-norm-fwd-rows-ab.log): 2-30% slower except at N = 768;
+// - the 16-bit row kept in fp32 registers, centred once (at 3ee6967, h200-2026-11-30-3ee6967-
+//   norm-fwd-tile-ab.log; 78-85 registers): 5-35% slower except at N = 768, where G = 32.
+// Occupancy (blocks resident to overlap each other's reductions) outweighs instruction count.
+// What did help: zero-filling a slot as one 128-bit word in load_tile_raw (below).
 //
 // Backward. Three kernels, picked per call (bwd_pipe_config, bwd_config); all persistent: each
 // block loops over rows, writes dx (and dresidual when its dtype differs from dx's) and keeps its
@@ -158,8 +168,8 @@ __device__ __forceinline__ void load_tile_raw(Pack<TS, kVec> (&raw)[kIters], con
   for (int k = 0; k < kIters; ++k) {
     const int64_t j = t + int64_t(k) * G;
     if constexpr (sizeof(Pack<TS, kVec>) == 16) {
-      // as one 128-bit word: the compiler otherwise selects load-or-zero per 16-bit element (a
-      // byte permute each)
+      // as one 128-bit word: the compiler otherwise selects load-or-zero per 16-bit element, a
+      // byte permute each (the LayerNorm forward ran 3-7% faster at N = 1024..8192 without them)
       uint4 u = make_uint4(0u, 0u, 0u, 0u);
       if (valid && j < nvec) u = *reinterpret_cast<const uint4*>(static_cast<const TS*>(p) + base + j * kVec);
       memcpy(&raw[k], &u, 16);
@@ -291,17 +301,14 @@ __device__ __forceinline__ float centred_squares(const Pack<TK, kVec> (&v)[kIter
 // One row per group of G threads (G a power of two, 1..512; the block holds blockDim.x / G rows).
 // Thread t holds the row's vectors t, t + G, ..., t + (kIters - 1) * G; all its loads of x (and
 // residual) are issued before the first reduction. Between the passes the row stays in registers
-// either in x's own storage type (16-bit x: half the registers of fp32, so two 512-thread blocks
-// fit per SM and one block's reductions overlap another's loads; every pass converts it again),
-// or, kFloatTile, in fp32, centred in place once the mean is known (fewer instructions: one
-// conversion and one subtraction per element; always with a residual, kResidual: the unrounded
-// sum x + residual is what gets normalised). The params are read per vector after the reductions
-// (every row reads them: L1/L2 hits), their storage type fixed per dispatch (no dtype branch per
-// vector); each output vector is written as soon as it is computed.
-template <typename T, bool kResidual, bool kFloatTile, int kVec, int kIters>
-__global__ void __launch_bounds__(kFwdMaxGroup, kFloatTile ? 1 : 2) norm_fwd_kernel(const NormForwardArgs a, const int G) {
-  static_assert(kFloatTile || !kResidual);
-  using TK = std::conditional_t<kFloatTile, float, T>;
+// in x's own storage type (16-bit x: half the registers of fp32, so two 512-thread blocks fit per
+// SM and one block's reductions overlap another's loads), or in fp32 with a residual (kResidual:
+// the unrounded sum x + residual is what gets normalised). The params are read per vector after
+// the reductions (every row reads them: L1/L2 hits), their storage type fixed per dispatch (no
+// dtype branch per vector); each output vector is written as soon as it is computed.
+template <typename T, bool kResidual, int kVec, int kIters>
+__global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : 2) norm_fwd_kernel(const NormForwardArgs a, const int G) {
+  using TK = std::conditional_t<kResidual, float, T>;
   __shared__ float red_mean[1][32], red_var[1][32];
   const int t = threadIdx.x % G;
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
@@ -309,16 +316,16 @@ __global__ void __launch_bounds__(kFwdMaxGroup, kFloatTile ? 1 : 2) norm_fwd_ker
   const int64_t nvec = a.cols / kVec, base = row * a.cols;
 
   Pack<TK, kVec> v[kIters];  // slots outside the row, and invalid rows, hold 0
-  if constexpr (kFloatTile) {
+  if constexpr (kResidual) {
     Pack<T, kVec> raw[kIters];
     load_tile_raw<T, kVec, kIters>(raw, a.x, base, t, G, nvec, valid);
-    float r[kIters][kVec] = {};
-    if constexpr (kResidual) load_tile<kVec, kIters>(r, a.residual, a.residual_dtype, base, t, G, nvec, valid);
+    float r[kIters][kVec];
+    load_tile<kVec, kIters>(r, a.residual, a.residual_dtype, base, t, G, nvec, valid);
 #pragma unroll
     for (int k = 0; k < kIters; ++k)
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[k].e[e] = elem_f32(raw[k], e) + r[k][e];
-    if (kResidual && a.residual_out != nullptr) {
+    if (a.residual_out != nullptr) {
 #pragma unroll
       for (int k = 0; k < kIters; ++k) {
         const int64_t j = t + int64_t(k) * G;
@@ -339,21 +346,11 @@ __global__ void __launch_bounds__(kFwdMaxGroup, kFloatTile ? 1 : 2) norm_fwd_ker
     group_sum<1>(s, G, red_mean, false);
     mean = s[0] / float(a.cols);
   }
-  float center = mean;  // what the passes below subtract from the tile
-  if constexpr (kFloatTile) {
-    if (!a.is_rms) {
-#pragma unroll
-      for (int k = 0; k < kIters; ++k)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[k].e[e] -= mean;
-    }
-    center = 0.f;
-  }
-  if constexpr (!kFloatTile && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
-  float sq[1] = {centred_squares(v, center, t, G, nvec)};
+  if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
+  float sq[1] = {centred_squares(v, mean, t, G, nvec)};
   group_sum<1>(sq, G, red_var, false);
   const float rstd = rsqrtf(sq[0] / float(a.cols) + a.eps);
-  if constexpr (!kFloatTile && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
+  if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
   if (valid && t == 0) {
     if (a.mean != nullptr) a.mean[row] = mean;
     a.rstd[row] = rstd;
@@ -378,7 +375,7 @@ __global__ void __launch_bounds__(kFwdMaxGroup, kFloatTile ? 1 : 2) norm_fwd_ker
         for (int e = 0; e < kVec; ++e) b[e] = 0.f;
       }
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) y[e] = (elem_f32(v[k], e) - center) * rstd * w[e] + b[e];
+      for (int e = 0; e < kVec; ++e) y[e] = (elem_f32(v[k], e) - mean) * rstd * w[e] + b[e];
       store_vec<kVec>(a.out, a.out_dtype, base + j * kVec, y);
     }
   };
@@ -989,22 +986,7 @@ int bwd_vec(const NormBackwardArgs& a) {
 
 struct TileConfig {
   int vec, group, iters, threads;  // iters == 0: the looped kernel
-  bool float_tile = false;         // forward, 16-bit x: the row kept in fp32 registers
 };
-
-// AMPKERNELS_NORM_FWD_TILE=f32 (read once, for measuring): the forward keeps a 16-bit row in
-// fp32 registers, centred once (norm_fwd_kernel's kFloatTile), instead of raw and converted on
-// every pass. Why: Nsight Compute at c2c6bb7 (benchmarks/results/h200-2026-11-30-c2c6bb7-ncu-
-// norm.txt) has the LayerNorm forward at N = 4096 issuing an instruction on 80% of scheduler
-// cycles, about 990 a warp against the Triton forward's 540 (which keeps fp32 x: 80 registers,
-// 37.5% occupancy, 3.99 TB/s).
-bool fwd_float_tile_override() {
-  static const bool v = [] {
-    const char* s = std::getenv("AMPKERNELS_NORM_FWD_TILE");
-    return s != nullptr && std::strcmp(s, "f32") == 0;
-  }();
-  return v;
-}
 
 // Up to 4 vectors (64 bytes of 16-bit x) per thread: enough loads in flight per thread, and
 // the fewest threads per row (so most rows share no block-wide reductions). iters is 1..4, not
@@ -1015,8 +997,7 @@ TileConfig fwd_config(const NormForwardArgs& a) {
   if (nvec > int64_t(kFwdMaxGroup) * kFwdMaxIters) return {vec, 0, 0, kLoopedThreads};
   const int group = std::min(kFwdMaxGroup, next_pow2(ceil_div(nvec, kFwdMaxIters)));
   const int iters = int(ceil_div(nvec, group));
-  const bool float_tile = elem_size(a.x_dtype) == 2 && vec > 1 && fwd_float_tile_override();
-  return {vec, group, iters, std::max(group, 128), float_tile};
+  return {vec, group, iters, std::max(group, 128)};
 }
 
 // At most 2 vectors per thread: x, dy, w and dx tiles stay in registers at 1024 threads.
@@ -1199,15 +1180,9 @@ cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     return dispatch_iters(c.iters, [&]<int kIters>() {
       if (a.residual != nullptr) {
-        norm_fwd_kernel<T, true, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
-      } else if constexpr (sizeof(T) == 2 && kVec > 1) {
-        if (c.float_tile) {
-          norm_fwd_kernel<T, false, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
-        } else {
-          norm_fwd_kernel<T, false, false, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
-        }
+        norm_fwd_kernel<T, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
       } else {
-        norm_fwd_kernel<T, false, false, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+        norm_fwd_kernel<T, false, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
       }
       return cudaGetLastError();
     });

@@ -17,10 +17,8 @@
 # GPU_NCU=1 runs scripts/ncu_norm.sh (Nsight Compute over single norm forward launches; NCU_*
 # variables pass on) into ncu-norm.txt.
 # GPU_NORM_TUNE=1 runs the Triton norm forward's launch sweep (fp16, bf16) into norm-sweep.jsonl
-# (progress in norm-tune.log); GPU_NORM_TUNE=ab the CUDA norm forward's tile A/B (scripts/
-# norm_ab.py with AMPKERNELS_NORM_FWD_TILE unset and f32, 16-bit and fp32 params) into
-# norm-tune.log. (The backward pipeline-depth A/B this mode ran at dcf3d2b, and the forward
-# rows-per-group one at 8bc7e59: git show c2c6bb7:scripts/gpu_run.sh, 8bc7e59:scripts/gpu_run.sh.)
+# (progress in norm-tune.log); GPU_NORM_TUNE=ab the CUDA norm backward's pipeline depth A/B
+# (scripts/norm_ab.py: the model's pick, then kIters forced to 2, 3 and 4) into norm-tune.log.
 # BENCH_SPREAD=1 on a machine with several GPUs runs the benchmark modules in parallel, one
 # process per module queued round-robin over the GPUs, rows merged. Off by default: at 9692629
 # the host load of one process (autotuning, torch.compile) slowed the other's host-bound rows
@@ -85,18 +83,16 @@ norm_tune() {
     cat "$OUT/norm-sweep-$d/results.jsonl" >>"$OUT/norm-sweep.jsonl" && rm -rf "$OUT/norm-sweep-$d"
   done
 }
-norm_fwd_tile_ab() {
-  local p t
-  for p in x fp32; do
-    for t in "" f32; do
-      AMPKERNELS_NORM_FWD_TILE=$t $PY scripts/norm_ab.py --pass fwd --params $p || return
-    done
+norm_bwd_depth_ab() {
+  local k
+  for k in "" 2 3 4; do
+    AMPKERNELS_NORM_BWD_PIPE=$k $PY scripts/norm_ab.py --pass bwd || return
   done
 }
 if [ "${GPU_NORM_TUNE:-0}" = 1 ]; then
   step norm_tune norm-tune.log norm_tune
 elif [ "${GPU_NORM_TUNE:-0}" = ab ]; then
-  step norm_tune norm-tune.log norm_fwd_tile_ab
+  step norm_tune norm-tune.log norm_bwd_depth_ab
 fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then
   step sanitize sanitize.log env OUT="$OUT" bash scripts/sanitize.sh

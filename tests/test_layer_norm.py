@@ -658,21 +658,6 @@ def test_gpu_dtype_combos(backend, dtype, pdtype, is_rms):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_fwd_float_tile_switch():
-    """AMPKERNELS_NORM_FWD_TILE=f32 (the CUDA forward keeps 16-bit rows in fp32 registers, an
-    A/B switch read once per process): the CUDA size and dtype tests again, in a process with it
-    set. (Checked without a GPU by tools/kernel_emu's `driver fwd` with the same variable.)"""
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "AMPKERNELS_NORM_FWD_TILE": "f32"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", __file__, "-k",
-                        "(test_gpu_sizes or test_gpu_dtype_combos) and cuda"], env=env, capture_output=True, text=True,
-                       timeout=600, check=False)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("is_rms", [False, True])
 @pytest.mark.parametrize("n", [1000, 2048, 65536])
