@@ -51,13 +51,33 @@ def _check(x, w, b, activation, backend, factor=1.0, **kw):
     assert_rel_close(y, y64, x.dtype, factor=factor, what=f"{backend} {activation} y")
     dy = torch.randn_like(y)
     y.backward(dy)
-    y64.backward(dy.double())
-    for name, got, want in (("dx", x.grad, x64.grad), ("dW", w.grad, w64.grad),
-                            ("db", None if b is None else b.grad, None if b is None else b64.grad)):
+    if activation == "relu":
+        want_dx, want_dw, want_db = _relu_grads64(x64, w64, b64, y, dy)
+    else:
+        y64.backward(dy.double())
+        want_dx, want_dw, want_db = x64.grad, w64.grad, None if b is None else b64.grad
+    for name, got, want in (("dx", x.grad, want_dx), ("dW", w.grad, want_dw),
+                            ("db", None if b is None else b.grad, want_db)):
         if want is None:
             continue
         assert got.dtype == x.dtype, name
         assert_rel_close(got, want, x.dtype, factor=GRAD_FACTOR * factor, what=f"{backend} {activation} {name}")
+
+
+def _relu_grads64(x64, w64, b64, y, dy):
+    """float64 (dx, dW, db) of linear + ReLU, with the mask the kernel's output shows (y > 0)
+    where the float64 pre-activation is within 1e-3 of 0, after checking that mask against the
+    float64 one everywhere else. ReLU's derivative jumps at 0, and a pre-activation within
+    rounding of 0 (16-bit products summed in fp32) lands on either side in any implementation:
+    one such element moves dx by |dy| times a weight row, a 5-7e-3 relative error; eager
+    PyTorch fails a float64-masked check at the same 2 of 400 seeds as this library does."""
+    z64 = (x64 @ w64.T + (0 if b64 is None else b64)).detach().reshape(-1, w64.shape[0])
+    mask = y.detach().reshape(z64.shape) > 0
+    near_zero = z64.abs() <= 1e-3
+    assert ((mask == (z64 > 0)) | near_zero).all(), "relu: the output's mask differs from the pre-activation's sign"
+    dz = dy.double().reshape(z64.shape) * mask
+    x2 = x64.detach().reshape(-1, w64.shape[1])
+    return (dz @ w64.detach()).reshape(x64.shape), dz.T @ x2, None if b64 is None else dz.sum(0)
 
 
 # ---------------------------------------------------------------- CPU tier: reference
