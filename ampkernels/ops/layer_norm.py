@@ -171,20 +171,20 @@ def _preference(x, n, pas="fwd", param_dtype=None):
     """Backends "auto" tries for one pass ("fwd" or "bwd"), fastest first.
 
     Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
-    the forward on one and the backward on the other. From benchmarks/bench_layer_norm.py on an
-    H200 at 7672746 (fp16 and bf16, M*N = 2^27, N = 768..16384, LayerNorm and RMSNorm;
-    benchmarks/results/h200x2-2026-11-30-7672746-norms.jsonl):
-    - backward: CUDA at every N (its pipelined kernel, 3.0-3.7 TB/s, against Triton's 1.0-3.1);
-    - forward with params in x's dtype: Triton at every N (3.6-4.1 against 3.0-3.8);
-    - forward of 16-bit x with fp32 params (the AMP case): CUDA (LayerNorm 2.7-3.7 against
-      Triton's 1.9-3.9, behind at all N but 1024; RMSNorm even or ahead at 4 of 6 N). At 9692629
-      Triton's launches per params dtype tie it at N = 2048/4096 (LayerNorm 3.49-3.51 against
-      3.47-3.53 TB/s); CUDA stays first.
-    At 58695ad (h200-2026-11-30-58695ad-norms.jsonl) the same order holds: Triton forward 3.77-4.06
-    TB/s with 16-bit params against CUDA's 2.98-3.97; AMP LayerNorm CUDA 2.69-3.79 against Triton's
-    2.28-3.88 (ahead by 1-2% at N = 1024/4096 only), AMP RMSNorm within 1-3% either way; the Triton
-    backward's kernels run 3.5-3.8 TB/s from a CUDA graph, but a call costs the host 300-480 us
-    (scripts/norm_bwd_probe.py), so called it is host-bound where CUDA's is not.
+    the forward on one and the backward on the other. The order comes from the H200 norm
+    benchmark (benchmarks/bench_layer_norm.py; fp16 and bf16, M*N = 2^27, N = 768..16384), last at
+    4ce559d (benchmarks/results/h200-2026-11-30-4ce559d-norms.jsonl; the runs at 7672746, 9692629
+    and 58695ad gave the same order):
+    - forward, params in x's dtype: Triton, 3.76-4.04 TB/s against CUDA's 3.11-4.00 (CUDA ahead
+      by under 1% at one RMSNorm point);
+    - forward of 16-bit x with fp32 params (the AMP case): CUDA. LayerNorm 2.72-3.82 against
+      Triton's 2.26-3.82, ahead or even at every N (0.5% behind at bf16 N = 1024); RMSNorm within
+      1-4% either way;
+    - backward: CUDA, 3.24-3.67 as called at every N. Triton's kernels run 3.6-3.9 from a CUDA
+      graph at N = 1024..8192 (2.5-2.6 for LayerNorm at 16384) and at N = 8192 beat CUDA as
+      called too (3.60-3.78 against 3.26-3.61), but a Triton call costs the host 100-160 us
+      against 35-55 us for the extension (scripts/norm_bwd_probe.py,
+      h200-2026-11-30-c2c6bb7-norm-bwd-probe.log), so its called rate follows host jitter.
     n is the row length; kept in the signature for per-N rules (none today).
 
     Below 2^25 elements the CUDA kernels come first whatever the pass: there a kernel takes less
