@@ -8,6 +8,10 @@
 # Run on the GPU machine after installing the package (scripts/gpu_run.sh with GPU_NCU=1).
 # Writes $OUT/ncu-norm.txt: per case, ncu's details page for the one profiled launch.
 #   NCU_CASES="layer_norm:cuda:4096:x rms_norm:cuda:4096:x"   NCU_TIMEOUT=120 (per case)
+#   NCU_SOURCE=1: also the per-SASS-instruction page (SourceCounters: executed instructions per
+#   line) of each case as $OUT/ncu-source-<op>-<backend>-<N>-<params>.csv, to see where a
+#   kernel's instructions go (at c2c6bb7 the CUDA LayerNorm forward issued ~990 a warp at
+#   N = 4096 against Triton's ~540).
 # ncu runs with --clock-control none (the device notes ask to leave the clocks alone).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,9 +29,7 @@ for case in $CASES; do
   echo "== $case" | tee -a "$report"
   # three calls: the first compiles (Triton) and warms the caches; ncu profiles the third launch
   # of the forward kernel (CUDA: norm_fwd*; Triton: _norm_fwd*)
-  timeout "${NCU_TIMEOUT:-120}" "$NCU" --clock-control none --target-processes all $SECTIONS \
-    -k "regex:norm_fwd" --launch-skip 2 --launch-count 1 \
-    python3 -c "
+  script="
 import torch, ampkernels
 n = $n; m = 2**27 // n
 x = torch.randn(m, n, device='cuda', dtype=torch.bfloat16)
@@ -37,7 +39,15 @@ for _ in range(3):
     y = ampkernels.layer_norm(x, (n,), w, b, backend='$backend') if '$op' == 'layer_norm' else \
         ampkernels.rms_norm(x, (n,), w, backend='$backend')
 torch.cuda.synchronize()
-" >>"$report" 2>&1
+"
+  timeout "${NCU_TIMEOUT:-120}" "$NCU" --clock-control none --target-processes all $SECTIONS \
+    -k "regex:norm_fwd" --launch-skip 2 --launch-count 1 python3 -c "$script" >>"$report" 2>&1
   echo "rc=$?" >>"$report"
+  if [ "${NCU_SOURCE:-0}" = 1 ]; then
+    timeout "${NCU_TIMEOUT:-120}" "$NCU" --clock-control none --target-processes all --section SourceCounters \
+      --page source --print-source sass --csv -k "regex:norm_fwd" --launch-skip 2 --launch-count 1 \
+      python3 -c "$script" >"$OUT/ncu-source-$op-$backend-$n-$params.csv" 2>&1
+    echo "source page rc=$? ($OUT/ncu-source-$op-$backend-$n-$params.csv)" >>"$report"
+  fi
 done
 grep -E "^== |rc=|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|L1/TEX Hit|L2 Hit" "$report" | head -120
