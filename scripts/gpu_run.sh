@@ -9,7 +9,9 @@
 #
 # GPU_TESTS: pytest paths/args for `pytest -m gpu` ("none" skips); GPU_BENCH: benchmark
 # ops (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
-# AMPKERNELS_COMMIT names the commit in result rows; set it (the copy's .git HEAD may not be the copied tree).
+# AMPKERNELS_COMMIT names the commit in result rows; set it literally, from this side's git (the
+# copy's .git HEAD may not be the copied tree: at 8bc7e59..4ce559d a $(git rev-parse) run on the
+# device gave c2c6bb7 every time).
 # GPU_JIT_CHECK=1 also checks the first-use build of a package installed without _C.
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
