@@ -190,6 +190,66 @@ def test_triton_dz_kernel(activation):
     assert_rel_close(db, dz.double().sum(0), torch.float32)
 
 
+try:  # the Triton forward epilogue's activation alone, as a kernel over a 1-D fp32 tensor
+    import triton
+    import triton.language as tl
+
+    from ampkernels.triton import linear_act as _tk
+
+    @triton.jit
+    def _epilogue_act_kernel(z_ptr, y_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, _tk._act_fwd(tl.load(z_ptr + offs, mask=offs < n), ACT), mask=offs < n)
+except ImportError:
+    _epilogue_act_kernel = None
+
+
+def _epilogue_act(z, activation):
+    y = torch.empty_like(z)
+    _epilogue_act_kernel[(triton.cdiv(z.numel(), 1024),)](z, y, z.numel(), ACT=reference.activation_id(activation),
+                                                          BLOCK=1024)
+    return y
+
+
+def _tail_exact_act64(z, activation):
+    """float64 activations without the cancellation of 1 + erf / 1 + tanh, which leaves even
+    float64 with no correct digits for z < -8 (the reference follows torch's formulas)."""
+    if activation == "gelu":
+        return z * 0.5 * torch.special.erfc(-z / math.sqrt(2))
+    if activation == "gelu_tanh":
+        return z * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (z + 0.044715 * z**3))
+    return z * torch.sigmoid(z)
+
+
+def _check_epilogue_act(device):
+    """Elementwise against float64: relative error < 2e-5 wherever |act(z)| > 1e-30 (fp16 rounds
+    at 2.4e-4, bf16 at 2e-3), over dense z in [-12, 12] and down to 1e-30; infinities and NaN as
+    torch's own formulas give them (-inf: NaN for the GELUs and SiLU)."""
+    mag = torch.cat([torch.linspace(0, 12, 20001, dtype=torch.float64), torch.logspace(-30, 1, 2000, dtype=torch.float64)])
+    z = torch.cat([mag, -mag]).float().to(device)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 100.0, -100.0, 1e30, -1e30], device=device)
+    for activation in ("gelu", "gelu_tanh", "silu"):
+        got = _epilogue_act(torch.cat([z, special]), activation).cpu().double()
+        want = _tail_exact_act64(z.cpu().double(), activation)
+        big = want.abs() > 1e-30
+        rel = ((got[:z.numel()] - want).abs() / want.abs().clamp_min(1e-300))[big]
+        assert rel.max() < 2e-5, f"{activation}: max relative error {rel.max():.2e} at z={z.cpu()[big][rel.argmax()]}"
+        assert (got[:z.numel()][~big].abs() <= 1e-30).all(), activation
+        s = special.cpu().double()
+        got_s, want_s = got[z.numel():], reference.act_fwd(s, activation)
+        assert torch.equal(got_s.isnan(), want_s.isnan()), f"{activation}: NaN at {s[got_s.isnan() != want_s.isnan()]}"
+        ok = ~want_s.isnan()
+        assert torch.allclose(got_s[ok], want_s[ok], rtol=2e-5, atol=1e-30), f"{activation}: {got_s} != {want_s}"
+
+
+@needs_triton
+def test_triton_epilogue_activation_math():
+    # under the interpreter: the formulas with exact exp2 and division (the GPU test runs the SFU's)
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers the GPU's fast-math path")
+    _check_epilogue_act("cpu")
+
+
 # ---------------------------------------------------------------- CPU tier: what backward keeps
 
 def _saved_hidden(backend, activation, recompute, device="cpu", dtype=torch.float32):
@@ -438,6 +498,11 @@ GPU_BACKENDS = ["cuda", "triton", "torch"]
 def test_gpu_backends_match_float64(backend, dtype, activation):
     _check(*_inputs(300, 256, 384, dtype, "cuda", True), activation, backend)
     _check(*_inputs(300, 256, 384, dtype, "cuda", False), activation, backend)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_epilogue_activation_math():
+    _check_epilogue_act("cuda")  # ex2.approx / rcp.approx: the compiled fast-math path
 
 
 @pytest.mark.gpu

@@ -5,8 +5,9 @@ It walks K in BLOCK_K steps, accumulating x (M, K) . W^T (K, N) in fp32 with tl.
 epilogue adds the bias in fp32, rounds the pre-activation to y's dtype (the value backward
 reads, stored to `pre` when STORE_PRE), and stores act(pre) in y's dtype. Programs walk the
 tiles in GROUP_M-row bands so that the programs in flight share W and x tiles in L2. The
-launch is persistent on a GPU (at most one program per SM, each looping over tiles): no
-launch tail wave, and the bias/activation epilogue costs no extra pass over y.
+launch is persistent on a GPU (one program per SM, or two for the TMA kernel's PER_SM = 2
+configs, each looping over tiles): no launch tail wave, and the bias/activation epilogue costs
+no extra pass over y.
 On Hopper (`_linear_act_fwd_tma_kernel`, the default when the operands are 16-byte aligned
 with N, K multiples of 8) the same kernel moves tiles with TMA descriptors: no per-element
 address math, zero-filled out-of-bounds loads, clipped stores, no masks.
@@ -18,7 +19,9 @@ on cuBLAS: applying act' on the fly inside them would recompute it once per outp
 column (K / BLOCK_N times), which for erf/tanh/exp activations costs more CUDA-core time than
 one extra elementwise pass costs bandwidth.
 
-Activation ids follow ampkernels.reference.ACTIVATIONS. All activation math is fp32.
+Activation ids follow ampkernels.reference.ACTIVATIONS. All activation math is fp32; the
+forward's GELUs and SiLU use the GPU's approximate ex2/rcp (see _act_fwd: within 2e-5 relative of
+float64, tests/test_linear_act.py), the backward's act' the libdevice functions.
 """
 import functools
 import logging
@@ -45,6 +48,53 @@ log = logging.getLogger("ampkernels")
 # Constants are literals inside the jit functions: compiled Triton reads only constexpr module
 # globals, and the interpreter cannot multiply tensors by constexpr globals. 0.70710678 = 1/sqrt(2),
 # 0.39894228 = 1/sqrt(2 pi), 0.79788456 = sqrt(2/pi), 0.044715: torch's tanh-GELU coefficient.
+#
+# The forward epilogue's activations are written as z / (1 + 2^t): one ex2 and one rcp (the SFU's
+# approximate instructions, ~2 ulp of fp32) and a few FMAs, where the libdevice forms cost 11
+# (silu), 19 (tanh GELU) and 31 (erf GELU) instructions an element more than ReLU (SASS for sm_90,
+# 128x256 tile). That work runs after each tile's main loop, not beside it, so it is time the
+# GEMM loses (the erf GELU ran 433 TFLOP/s against ReLU's 595 at 8192x1024x4096).
+_FAST_MATH = tl.constexpr(not _INTERPRET)  # the interpreter has no inline PTX: exact exp2 and division
+
+
+@triton.jit
+def _exp2(x):
+    # ftz: inputs below -126 give 0 instead of a denormal (their results round to 0 anyway)
+    if _FAST_MATH:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _rcp(x):
+    if _FAST_MATH:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _gaussian_tail(a):
+    # Q(a) = P(N(0,1) > a) for a >= 0, relative error < 3e-7 in float64 (fp32 evaluation: < 2.5e-6
+    # for a < 6): Q = t 2^(p(t) - a^2 log2(e) / 2), t = 1 / (1 + 0.4 a), p a degree-8 polynomial
+    # least-squares fitted to log2(Q(a) / t) + a^2 log2(e) / 2 over a in [0, 15] (beyond, Q < 2^-150).
+    # No cancellation: the tail stays accurate where 1 + erf(x) loses all its digits in fp32.
+    t = _rcp(1.0 + 0.4 * a)
+    p = 0.27394530177116394
+    p = p * t - 1.4028655290603638
+    p = p * t + 2.8012568950653076
+    p = p * t - 2.5152602195739746
+    p = p * t + 0.7742717862129211
+    p = p * t - 0.2584783434867859
+    p = p * t + 0.5360429883003235
+    p = p * t + 1.4386100769042969
+    p = p * t - 2.6475226879119873
+    return t * _exp2(p - 0.7213475204444817 * a * a)
+
+
 @triton.jit
 def _tanh(u):
     # tl has no tanh in every version we support; this form saturates correctly at +-inf
@@ -53,14 +103,17 @@ def _tanh(u):
 
 @triton.jit
 def _act_fwd(z, ACT: tl.constexpr):
+    # z: fp32. NaN propagates (comparisons with NaN are False; 2^NaN is NaN); +inf gives +inf and
+    # -inf NaN for the GELUs and SiLU, as torch's formulas give.
     if ACT == 1:  # relu (z <= 0 is False for NaN, so NaN propagates as in torch)
         z = tl.where(z <= 0.0, 0.0, z)
-    elif ACT == 2:  # gelu (erf)
-        z = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
-    elif ACT == 3:  # gelu_tanh
-        z = 0.5 * z * (1.0 + _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z)))
-    elif ACT == 4:  # silu
-        z = z * tl.sigmoid(z)
+    elif ACT == 2:  # gelu (erf): z * Phi(z), Phi(z) = 1 - Q(z) for z >= 0, Q(-z) below
+        q = _gaussian_tail(tl.abs(z))
+        z = z * tl.where(z >= 0.0, 1.0 - q, q)
+    elif ACT == 3:  # gelu_tanh: 0.5 z (1 + tanh(u)) = z / (1 + e^(-2u)), u = sqrt(2/pi) (z + 0.044715 z^3)
+        z = z * _rcp(1.0 + _exp2(z * (-2.302208198 - 0.1029432396 * z * z)))  # -2 log2(e) sqrt(2/pi) (1, 0.044715)
+    elif ACT == 4:  # silu: z / (1 + e^-z)
+        z = z * _rcp(1.0 + _exp2(-1.4426950408889634 * z))
     elif ACT == 5:  # squared_relu
         r = tl.where(z <= 0.0, 0.0, z)
         z = r * r
@@ -119,11 +172,11 @@ def _linear_act_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, pre_ptr,
     M, N, K,
     stride_xm, stride_wn,
-    NUM_PROGRAMS,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    NUM_PROGRAMS = tl.num_programs(0)
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_m * num_n
@@ -162,22 +215,26 @@ def _linear_act_fwd_kernel(
 def _tma_configs():
     if _INTERPRET:  # the flattened, subtiled variant: the plain one is the GPU's first config
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "FLATTEN": True,
-                               "SUBTILE": True}, num_warps=4, pre_hook=_set_block_shapes)]
+                               "SUBTILE": True, "PER_SM": 1}, num_warps=4, pre_hook=_set_block_shapes)]
     # smem per stage (fp16): (BM + BN) * BK * 2 bytes; the epilogue stages y (and pre) tiles too;
     # configs that do not fit (e.g. 128x256 with pre stored at 4 stages) are dropped by the
     # autotuner. FLATTEN: one loop over (tile, k) for the software pipeliner, so the next tile's
     # first loads are in flight during this tile's epilogue; SUBTILE: the epilogue in two
     # BLOCK_N / 2 halves, half the staging smem (room for a 4th stage). Both after Triton's
-    # persistent-matmul tutorial; UNMEASURED here (added 2026-11-30 without a GPU): the autotuner
-    # times them beside the four plain configs, which stay.
-    cfg = [(128, 128, 64, 3, 8, False, False), (128, 256, 64, 3, 8, False, False),
-           (256, 128, 64, 3, 8, False, False), (128, 128, 64, 4, 4, False, False),
-           (128, 256, 64, 3, 8, True, True), (128, 256, 64, 4, 8, True, True), (128, 128, 64, 4, 8, True, True),
-           (128, 128, 128, 3, 8, True, True)]
+    # persistent-matmul tutorial. At 429d844 (scripts/linear_act_probe.py) the autotuner picked
+    # 128x256 tiles, plain or flattened + subtiled: ReLU's epilogue is cheap enough to hide.
+    # PER_SM = 2: two 4-warp programs per SM (112 KB of smem each with 3 stages and a subtiled
+    # epilogue, 2 x 128 threads of <= 255 registers), so one's epilogue can run beside the other's
+    # main loop: Hopper's wgmma leaves the FP32 and SFU pipes free. UNMEASURED (added 2026-11-30).
+    cfg = [(128, 128, 64, 3, 8, False, False, 1), (128, 256, 64, 3, 8, False, False, 1),
+           (256, 128, 64, 3, 8, False, False, 1), (128, 256, 64, 3, 8, True, True, 1),
+           (128, 256, 64, 4, 8, True, True, 1), (128, 128, 64, 4, 8, True, True, 1),
+           (128, 128, 128, 3, 8, True, True, 1), (128, 128, 64, 3, 4, False, True, 2),
+           (128, 128, 64, 2, 4, False, True, 2)]
     cfg = cfg if _AUTOTUNE else cfg[:1]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "FLATTEN": flat, "SUBTILE": sub},
-                          num_stages=s, num_warps=w, pre_hook=_set_block_shapes)
-            for bm, bn, bk, s, w, flat, sub in cfg]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "FLATTEN": flat, "SUBTILE": sub,
+                           "PER_SM": per_sm}, num_stages=s, num_warps=w, pre_hook=_set_block_shapes)
+            for bm, bn, bk, s, w, flat, sub, per_sm in cfg]
 
 
 def _set_block_shapes(nargs):
@@ -208,15 +265,15 @@ def _tma_epilogue(acc, off_m, off_n, b_ptr, y_desc, pre_desc, N, ACT: tl.constex
 def _linear_act_fwd_tma_kernel(
     x_desc, w_desc, y_desc, pre_desc, b_ptr,
     M, N, K,
-    NUM_PROGRAMS,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PRE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+    FLATTEN: tl.constexpr, SUBTILE: tl.constexpr, PER_SM: tl.constexpr,
 ):
     # Same tile walk and epilogue as _linear_act_fwd_kernel; operands move by TMA (Hopper's
     # bulk tensor copies: no address math in registers, out-of-bounds boxes are zero-filled on
     # load and clipped on store, so no masks anywhere).
     pid = tl.program_id(0)
+    NUM_PROGRAMS = tl.num_programs(0)  # PER_SM per SM (the grid), or one per tile when fewer
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     num_tiles = num_m * num_n
@@ -297,7 +354,7 @@ def _fwd(x, weight, bias, act_id, store_pre, tma):
         programs = 1 << 30
 
     def grid(meta):
-        return (min(programs, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
+        return (min(programs * meta.get("PER_SM", 1), cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
 
     b_arg = bias if bias is not None else x
     pre_arg = pre if store_pre else y
@@ -306,7 +363,7 @@ def _fwd(x, weight, bias, act_id, store_pre, tma):
         try:
             # block shapes are placeholders: the autotuner's pre_hook sets them per config
             descs = [TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, weight, y, pre_arg)]
-            _linear_act_fwd_tma_kernel[grid](*descs, b_arg, M, N, K, programs, ACT=act_id,
+            _linear_act_fwd_tma_kernel[grid](*descs, b_arg, M, N, K, ACT=act_id,
                                              HAS_BIAS=bias is not None, STORE_PRE=store_pre)
             return y, pre
         except Exception as e:  # an old driver/ptxas without TMA: say so once, keep working
@@ -315,7 +372,7 @@ def _fwd(x, weight, bias, act_id, store_pre, tma):
             _TMA_STATE["broken"] = f"{type(e).__name__}: {e}"
             log.warning("ampkernels: Triton TMA matmul unavailable (%s); using the pointer kernel",
                         _TMA_STATE["broken"][:300])
-    _linear_act_fwd_kernel[grid](x, weight, b_arg, y, pre_arg, M, N, K, x.stride(0), weight.stride(0), programs,
+    _linear_act_fwd_kernel[grid](x, weight, b_arg, y, pre_arg, M, N, K, x.stride(0), weight.stride(0),
                                  ACT=act_id, HAS_BIAS=bias is not None, STORE_PRE=store_pre)
     return y, pre
 
