@@ -669,6 +669,29 @@ def test_gpu_auto_is_correct_for_every_activation():
 
 
 @pytest.mark.gpu
+def test_gpu_triton_every_tma_config():
+    # the session runs one config per kernel (AMPKERNELS_TRITON_AUTOTUNE=0); the autotuner picks
+    # among all of them on a user's machine, so each must be right: ragged tiles, bias, pre stored
+    from ampkernels.triton import linear_act as tk
+    if not tk.tma_enabled(torch.device("cuda")):
+        pytest.skip("TMA needs compute capability 9.0+")
+    x, w, b = _inputs(300, 264, 392, torch.bfloat16, "cuda")
+    want_y = reference.linear_act(x.double(), w.double(), b.double(), "gelu")
+    want_pre = reference.linear_act(x.double(), w.double(), b.double(), "identity")
+    kernel, configs = tk._linear_act_fwd_tma_kernel, tk._linear_act_fwd_tma_kernel.configs
+    try:
+        for cfg in tk._tma_configs(tune=True):
+            kernel.configs = [cfg]  # one config: the autotuner launches it without timing
+            kernel.cache.clear()
+            y, pre = tk.linear_act_fwd(x, w, b, reference.activation_id("gelu"), True)
+            assert_rel_close(y, want_y, torch.bfloat16, what=f"y {cfg}")
+            assert_rel_close(pre, want_pre, torch.bfloat16, what=f"pre {cfg}")
+    finally:
+        kernel.configs = configs
+        kernel.cache.clear()
+
+
+@pytest.mark.gpu
 def test_gpu_triton_tma_kernel_is_live_on_hopper():
     from ampkernels.triton import linear_act as tk
     if torch.cuda.get_device_capability()[0] < 9:

@@ -149,7 +149,7 @@ def _tile_origin(tile, num_m, num_n, GROUP_M: tl.constexpr, BLOCK_M: tl.constexp
     return (first_m + (tile % in_group) % group_size) * BLOCK_M, ((tile % in_group) // group_size) * BLOCK_N
 
 
-def _fwd_configs():
+def _fwd_configs(tune=_AUTOTUNE):
     if _INTERPRET:  # small tiles: the interpreter runs them as numpy on CPU
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4)]
     # Hopper (228 KB smem/SM): 128x256 and 256x128 tiles with 3 stages keep wgmma busy on large
@@ -161,7 +161,7 @@ def _fwd_configs():
         (128, 128, 64, 4, 4),
         (64, 128, 64, 4, 4),
     ]
-    cfg = cfg if _AUTOTUNE else cfg[:1]
+    cfg = cfg if tune else cfg[:1]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
             for bm, bn, bk, s, w in cfg]
 
@@ -212,7 +212,8 @@ def _linear_act_fwd_kernel(
         tl.store(y_ptr + out_off, y.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _tma_configs():
+def _tma_configs(tune=_AUTOTUNE):
+    """The TMA kernel's autotune configs (tune=False: the first only)."""
     if _INTERPRET:  # the flattened, subtiled variant: the plain one is the GPU's first config
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "FLATTEN": True,
                                "SUBTILE": True, "PER_SM": 1}, num_warps=4, pre_hook=_set_block_shapes)]
@@ -223,15 +224,18 @@ def _tma_configs():
     # BLOCK_N / 2 halves, half the staging smem (room for a 4th stage). Both after Triton's
     # persistent-matmul tutorial. At 429d844 (scripts/linear_act_probe.py) the autotuner picked
     # 128x256 tiles, plain or flattened + subtiled: ReLU's epilogue is cheap enough to hide.
-    # PER_SM = 2: two 4-warp programs per SM (112 KB of smem each with 3 stages and a subtiled
-    # epilogue, 2 x 128 threads of <= 255 registers), so one's epilogue can run beside the other's
-    # main loop: Hopper's wgmma leaves the FP32 and SFU pipes free. UNMEASURED (added 2026-11-30).
+    # PER_SM = 2: two programs per SM (<= 112 KB of smem each with 3 stages and a subtiled
+    # epilogue; 4 warps, or 8 at <= 128 registers), so one's epilogue runs beside the other's
+    # main loop: wgmma leaves the FP32 and SFU pipes free. At 8ec527d (probe, bf16) the 4-warp
+    # one was picked for ReLU at 4096x768x3072 and for SiLU and tanh GELU at both probed shapes
+    # (8192x1024x4096: SiLU 124 us against 131 for the best one-per-SM config); 2 stages ran
+    # 10-20% slower than 3 (dropped); flattened / 8 warps UNMEASURED.
     cfg = [(128, 128, 64, 3, 8, False, False, 1), (128, 256, 64, 3, 8, False, False, 1),
            (256, 128, 64, 3, 8, False, False, 1), (128, 256, 64, 3, 8, True, True, 1),
            (128, 256, 64, 4, 8, True, True, 1), (128, 128, 64, 4, 8, True, True, 1),
            (128, 128, 128, 3, 8, True, True, 1), (128, 128, 64, 3, 4, False, True, 2),
-           (128, 128, 64, 2, 4, False, True, 2)]
-    cfg = cfg if _AUTOTUNE else cfg[:1]
+           (128, 128, 64, 3, 4, True, True, 2), (128, 128, 64, 3, 8, False, True, 2)]
+    cfg = cfg if tune else cfg[:1]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "FLATTEN": flat, "SUBTILE": sub,
                            "PER_SM": per_sm}, num_stages=s, num_warps=w, pre_hook=_set_block_shapes)
             for bm, bn, bk, s, w, flat, sub, per_sm in cfg]
