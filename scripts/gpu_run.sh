@@ -7,7 +7,8 @@
 #   GPU_TESTS="tests/test_layer_norm.py" GPU_BENCH="layer_norm" bash scripts/gpu_run.sh
 #   GPU_TESTS=none GPU_BENCH="linear_act" BENCH_ARGS="--quick" bash scripts/gpu_run.sh
 #
-# GPU_TESTS: pytest paths/args for `pytest -m gpu` ("none" skips); GPU_BENCH: benchmark
+# GPU_TESTS: pytest paths/args for `pytest -m gpu` ("none" skips; split on spaces, so a -k expression
+# must be one word: at 7cf8101 "-k a or b" ran nothing); GPU_BENCH: benchmark
 # ops (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows; set it literally, from this side's git (the
 # copy's .git HEAD may not be the copied tree: at 8bc7e59..4ce559d a $(git rev-parse) run on the
