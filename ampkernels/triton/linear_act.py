@@ -53,7 +53,8 @@ log = logging.getLogger("ampkernels")
 # approximate instructions, ~2 ulp of fp32) and a few FMAs, where the libdevice forms cost 11
 # (silu), 19 (tanh GELU) and 31 (erf GELU) instructions an element more than ReLU (SASS for sm_90,
 # 128x256 tile). That work runs after each tile's main loop, not beside it, so it is time the
-# GEMM loses (the erf GELU ran 433 TFLOP/s against ReLU's 595 at 8192x1024x4096).
+# GEMM loses (at 8192x1024x4096 bf16 the erf GELU ran 433 TFLOP/s against ReLU's 595 with the
+# libdevice forms at 429d844, 485 against 627 with these and two programs per SM at 7cf8101).
 _FAST_MATH = tl.constexpr(not _INTERPRET)  # the interpreter has no inline PTX: exact exp2 and division
 
 
@@ -229,7 +230,9 @@ def _tma_configs(tune=_AUTOTUNE):
     # main loop: wgmma leaves the FP32 and SFU pipes free. At 8ec527d (probe, bf16) the 4-warp
     # one was picked for ReLU at 4096x768x3072 and for SiLU and tanh GELU at both probed shapes
     # (8192x1024x4096: SiLU 124 us against 131 for the best one-per-SM config); 2 stages ran
-    # 10-20% slower than 3 (dropped); flattened / 8 warps UNMEASURED.
+    # 10-20% slower than 3 (dropped). At 7cf8101 the flattened 4-warp one was fastest for all
+    # four activations at 8192x1024x4096 (ReLU 108, SiLU 120, tanh GELU 121, erf GELU 139 us;
+    # 8 warps 117-140): benchmarks/results/h200-2026-11-30-7cf8101-linear-act-probe.log.
     cfg = [(128, 128, 64, 3, 8, False, False, 1), (128, 256, 64, 3, 8, False, False, 1),
            (256, 128, 64, 3, 8, False, False, 1), (128, 256, 64, 3, 8, True, True, 1),
            (128, 256, 64, 4, 8, True, True, 1), (128, 128, 64, 4, 8, True, True, 1),
