@@ -215,7 +215,7 @@ def _linear_act_fwd_kernel(
 
 def _tma_configs(tune=_AUTOTUNE):
     """The TMA kernel's autotune configs (tune=False: the first only)."""
-    if _INTERPRET:  # the flattened, subtiled variant: the plain one is the GPU's first config
+    if _INTERPRET:  # flattened and subtiled, as the GPU's first config, in small tiles
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "FLATTEN": True,
                                "SUBTILE": True, "PER_SM": 1}, num_warps=4, pre_hook=_set_block_shapes)]
     # smem per stage (fp16): (BM + BN) * BK * 2 bytes; the epilogue stages y (and pre) tiles too;
@@ -233,11 +233,12 @@ def _tma_configs(tune=_AUTOTUNE):
     # 10-20% slower than 3 (dropped). At 7cf8101 the flattened 4-warp one was fastest for all
     # four activations at 8192x1024x4096 (ReLU 108, SiLU 120, tanh GELU 121, erf GELU 139 us;
     # 8 warps 117-140): benchmarks/results/h200-2026-11-30-7cf8101-linear-act-probe.log.
-    cfg = [(128, 128, 64, 3, 8, False, False, 1), (128, 256, 64, 3, 8, False, False, 1),
-           (256, 128, 64, 3, 8, False, False, 1), (128, 256, 64, 3, 8, True, True, 1),
-           (128, 256, 64, 4, 8, True, True, 1), (128, 128, 64, 4, 8, True, True, 1),
-           (128, 128, 128, 3, 8, True, True, 1), (128, 128, 64, 3, 4, False, True, 2),
-           (128, 128, 64, 3, 4, True, True, 2), (128, 128, 64, 3, 8, False, True, 2)]
+    # First (the only one when autotuning is off): that fastest config, 115 KB of smem at most.
+    cfg = [(128, 128, 64, 3, 4, True, True, 2), (128, 128, 64, 3, 8, False, False, 1),
+           (128, 256, 64, 3, 8, False, False, 1), (256, 128, 64, 3, 8, False, False, 1),
+           (128, 256, 64, 3, 8, True, True, 1), (128, 256, 64, 4, 8, True, True, 1),
+           (128, 128, 64, 4, 8, True, True, 1), (128, 128, 128, 3, 8, True, True, 1),
+           (128, 128, 64, 3, 4, False, True, 2), (128, 128, 64, 3, 8, False, True, 2)]
     cfg = cfg if tune else cfg[:1]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "FLATTEN": flat, "SUBTILE": sub,
                            "PER_SM": per_sm}, num_stages=s, num_warps=w, pre_hook=_set_block_shapes)
