@@ -307,8 +307,8 @@ __device__ __forceinline__ float centred_squares(const Pack<TK, kVec> (&v)[kIter
 // the unrounded sum x + residual is what gets normalised). The params are read per vector after
 // the reductions (every row reads them: L1/L2 hits), their storage type fixed per dispatch (no
 // dtype branch per vector); each output vector is written as soon as it is computed.
-template <typename T, bool kResidual, int kVec, int kIters, int kGroup = 0>
-__global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : 2)
+template <typename T, bool kResidual, int kVec, int kIters, int kGroup = 0, int kMinBlocks = 2>
+__global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : kMinBlocks)
     norm_fwd_kernel(const NormForwardArgs a, const int group) {
   using TK = std::conditional_t<kResidual, float, T>;
   const int G = kGroup != 0 ? kGroup : group;
@@ -1017,21 +1017,28 @@ TileConfig bwd_config(const NormBackwardArgs& a) {
 // as a compile-time constant (then G >= 32 goes with 3 or 4 vectors a thread): the butterfly unrolls and a
 // thread's slot addresses are one pointer plus constant offsets. With a runtime G, Nsight Compute
 // counted half of its instructions as integer and branch work (h200-2026-11-30-303896c-ncu-norm-
-// source.txt). AMPKERNELS_NORM_FWD_STATIC_GROUP=0, read once, turns this off for A/B runs.
+// source.txt). AMPKERNELS_NORM_FWD_STATIC_GROUP, read once, for A/B runs: 0 turns this off, 2
+// caps G = 512 at 40 registers (three blocks an SM, some spills).
 // Runs f.template operator()<kGroup>() and returns true where such a variant exists.
 template <typename F>
 bool fwd_static_group(int group, F&& f) {
-  static const bool enabled = [] {
+  static const int mode = [] {
     const char* s = std::getenv("AMPKERNELS_NORM_FWD_STATIC_GROUP");
-    return s == nullptr || std::strcmp(s, "0") != 0;
+    return s == nullptr ? 1 : std::atoi(s);
   }();
-  if (!enabled) return false;
+  if (mode == 0) return false;
   switch (group) {
-    case 32: f.template operator()<32>(); return true;
-    case 64: f.template operator()<64>(); return true;
-    case 128: f.template operator()<128>(); return true;
-    case 256: f.template operator()<256>(); return true;
-    case 512: f.template operator()<512>(); return true;
+    case 32: f.template operator()<32, 2>(); return true;
+    case 64: f.template operator()<64, 2>(); return true;
+    case 128: f.template operator()<128, 2>(); return true;
+    case 256: f.template operator()<256, 2>(); return true;
+    case 512:
+      if (mode == 2) {
+        f.template operator()<512, 3>();
+      } else {
+        f.template operator()<512, 2>();
+      }
+      return true;
   }
   return false;
 }
@@ -1205,15 +1212,16 @@ cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
     const int64_t blocks = ceil_div(a.rows, c.threads / c.group);
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     return dispatch_iters(c.iters, [&]<int kIters>() {
-      const auto launch = [&]<int kGroup>() {
-        norm_fwd_kernel<T, false, kVec, kIters, kGroup><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+      const auto launch = [&]<int kGroup, int kMinBlocks>() {
+        norm_fwd_kernel<T, false, kVec, kIters, kGroup, kMinBlocks>
+            <<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
       };
       if (a.residual != nullptr) {
         norm_fwd_kernel<T, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
       } else if constexpr (sizeof(T) == 2 && kVec == 8 && kIters >= 3) {
-        if (!fwd_static_group(c.group, launch)) launch.template operator()<0>();
+        if (!fwd_static_group(c.group, launch)) launch.template operator()<0, 2>();
       } else {
-        launch.template operator()<0>();
+        launch.template operator()<0, 2>();
       }
       return cudaGetLastError();
     });
