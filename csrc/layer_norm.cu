@@ -1014,26 +1014,34 @@ TileConfig bwd_config(const NormBackwardArgs& a) {
 }
 
 // The forward's common case, 16-bit x in 16-byte vectors without a residual, has its group size
-// as a compile-time constant (then G >= 32 goes with 3 or 4 vectors a thread): the butterfly unrolls and a
-// thread's slot addresses are one pointer plus constant offsets. With a runtime G, Nsight Compute
-// counted half of its instructions as integer and branch work (h200-2026-11-30-303896c-ncu-norm-
-// source.txt). AMPKERNELS_NORM_FWD_STATIC_GROUP, read once, for A/B runs: 0 turns this off, 2
-// caps G = 512 at 40 registers (three blocks an SM, some spills).
-// Runs f.template operator()<kGroup>() and returns true where such a variant exists.
+// as a compile-time constant (then G >= 32 goes with 3 or 4 vectors a thread): the butterfly
+// unrolls and a thread's slot addresses are one pointer plus constant offsets. With a runtime G,
+// Nsight Compute counted half of its instructions as integer and branch work, and at the 64-
+// register cap nvcc split each 16-byte output store into four (h200-2026-11-30-303896c-ncu-norm-
+// source.txt); with it, 56 registers and 16-byte stores. Measured at 67a4e5b from one build
+// (h200-2026-12-01-67a4e5b-norm-fwd-static-group-ab.log): LayerNorm 3.89-3.95 TB/s against
+// 3.49-3.74 at N = 768..4096, 3.53-3.60 against 3.12 at 16384; with fp32 params 3.42 against 2.75
+// at 16384; RMSNorm fp16 up to 2% slower at N = 1024..4096, elsewhere faster.
+// G = 512 (N > 8192 at 16 bits) runs three blocks an SM (40 registers, ~100 bytes of spill
+// loads) instead of two: at 243ae57 (h200-2026-12-01-243ae57-norm-fwd-three-blocks-ab.log)
+// 3.64-4.03 against 3.18-3.69 at N = 12288 and 3.77-3.92 against 3.55-3.90 at 16384, except with
+// fp32 params and 4 vectors a thread (N = 16384): 3.14-3.27 against 3.39-3.87, so two there.
+// AMPKERNELS_NORM_FWD_STATIC_GROUP=0, read once, runs the runtime-G kernel instead (A/B runs).
+// Runs f.template operator()<kGroup, kMinBlocks>() and returns true where such a variant exists.
 template <typename F>
-bool fwd_static_group(int group, F&& f) {
-  static const int mode = [] {
+bool fwd_static_group(int group, bool three_blocks, F&& f) {
+  static const bool enabled = [] {
     const char* s = std::getenv("AMPKERNELS_NORM_FWD_STATIC_GROUP");
-    return s == nullptr ? 1 : std::atoi(s);
+    return s == nullptr || std::strcmp(s, "0") != 0;
   }();
-  if (mode == 0) return false;
+  if (!enabled) return false;
   switch (group) {
     case 32: f.template operator()<32, 2>(); return true;
     case 64: f.template operator()<64, 2>(); return true;
     case 128: f.template operator()<128, 2>(); return true;
     case 256: f.template operator()<256, 2>(); return true;
     case 512:
-      if (mode == 2) {
+      if (three_blocks) {
         f.template operator()<512, 3>();
       } else {
         f.template operator()<512, 2>();
@@ -1213,13 +1221,14 @@ cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     return dispatch_iters(c.iters, [&]<int kIters>() {
       const auto launch = [&]<int kGroup, int kMinBlocks>() {
-        norm_fwd_kernel<T, false, kVec, kIters, kGroup, kMinBlocks>
-            <<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+        const auto kernel = norm_fwd_kernel<T, false, kVec, kIters, kGroup, kMinBlocks>;
+        kernel<<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
       };
       if (a.residual != nullptr) {
         norm_fwd_kernel<T, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
       } else if constexpr (sizeof(T) == 2 && kVec == 8 && kIters >= 3) {
-        if (!fwd_static_group(c.group, launch)) launch.template operator()<0, 2>();
+        const bool three_blocks = !(kIters == 4 && a.param_dtype == DType::kFloat32);
+        if (!fwd_static_group(c.group, three_blocks, launch)) launch.template operator()<0, 2>();
       } else {
         launch.template operator()<0, 2>();
       }
