@@ -173,13 +173,14 @@ def _preference(x, n, pas="fwd", param_dtype=None):
     Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
     the forward on one and the backward on the other. The order comes from the H200 norm
     benchmark (benchmarks/bench_layer_norm.py; fp16 and bf16, M*N = 2^27, N = 768..16384), last at
-    4ce559d (benchmarks/results/h200-2026-11-30-4ce559d-norms.jsonl; the runs at 7672746, 9692629
-    and 58695ad gave the same order):
-    - forward, params in x's dtype: Triton, 3.76-4.04 TB/s against CUDA's 3.11-4.00 (CUDA ahead
-      by under 1% at one RMSNorm point);
-    - forward of 16-bit x with fp32 params (the AMP case): CUDA. LayerNorm 2.72-3.82 against
-      Triton's 2.26-3.82, ahead or even at every N (0.5% behind at bf16 N = 1024); RMSNorm within
-      1-4% either way;
+    51fa175 (benchmarks/results/h200-2026-12-01-51fa175-norms.jsonl; the runs at 4ce559d, 7672746,
+    9692629 and 58695ad gave the same order):
+    - forward, params in x's dtype: Triton, 3.76-4.06 TB/s against CUDA's 3.75-4.01 (one Triton
+      row at 2.48 was host jitter: 3.97 at 4ce559d). CUDA is ahead by 2% at LayerNorm fp16
+      N = 16384 only;
+    - forward of 16-bit x with fp32 params (the AMP case): CUDA. LayerNorm 3.38-3.96 against
+      Triton's 2.27-3.84, ahead at every N; RMSNorm 3.81-3.99 against 3.34-4.03 (Triton ahead by
+      under 2% at N <= 2048, CUDA by 5-14% at 8192 and 16384);
     - backward: CUDA, 3.24-3.67 as called at every N. Triton's kernels run 3.6-3.9 from a CUDA
       graph at N = 1024..8192 (2.5-2.6 for LayerNorm at 16384) and at N = 8192 beat CUDA as
       called too (3.60-3.78 against 3.26-3.61), but a Triton call costs the host 100-160 us
