@@ -1028,6 +1028,8 @@ TileConfig bwd_config(const NormBackwardArgs& a) {
 // loads) instead of two: at 243ae57 (h200-2026-12-01-243ae57-norm-fwd-three-blocks-ab.log)
 // 3.64-4.03 against 3.18-3.69 at N = 12288 and 3.77-3.92 against 3.55-3.90 at 16384, except with
 // fp32 params and 4 vectors a thread (N = 16384): 3.14-3.27 against 3.39-3.87, so two there.
+// Four blocks (32 registers, 500-800 bytes of spill loads) ran 2.3-3.3, and the looped kernel
+// for rows of N >= 8192 1.8-2.6 (h200-2026-12-01-8e27dab-norm-fwd-four-blocks-looped-ab.log).
 // AMPKERNELS_NORM_FWD_STATIC_GROUP=0, read once, runs the runtime-G kernel instead (A/B runs).
 // Runs f.template operator()<kGroup, kMinBlocks>() and returns true where such a variant exists.
 template <typename F>
