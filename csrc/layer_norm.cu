@@ -1015,8 +1015,8 @@ TileConfig bwd_config(const NormBackwardArgs& a) {
   return {vec, group, iters, std::max(group, 256)};
 }
 
-// The forward's common case, 16-bit x in 16-byte vectors without a residual, has its group size
-// as a compile-time constant (then G >= 32 goes with 3 or 4 vectors a thread): the butterfly
+// The forward's common case, 16-bit x in 16-byte vectors (with or without a residual), has its
+// group size as a compile-time constant (then G >= 32 goes with 3 or 4 vectors a thread): the butterfly
 // unrolls and a thread's slot addresses are one pointer plus constant offsets. With a runtime G,
 // Nsight Compute counted half of its instructions as integer and branch work, and at the 64-
 // register cap nvcc split each 16-byte output store into four (h200-2026-11-30-303896c-ncu-norm-
@@ -1030,6 +1030,8 @@ TileConfig bwd_config(const NormBackwardArgs& a) {
 // fp32 params and 4 vectors a thread (N = 16384): 3.14-3.27 against 3.39-3.87, so two there.
 // Four blocks (32 registers, 500-800 bytes of spill loads) ran 2.3-3.3, and the looped kernel
 // for rows of N >= 8192 1.8-2.6 (h200-2026-12-01-8e27dab-norm-fwd-four-blocks-looped-ab.log).
+// With a residual (fp32 tile, bounds of one 512-thread block an SM): 71 registers instead of 90,
+// and 16-byte stores of out and residual_out (nvcc had split them too).
 // AMPKERNELS_NORM_FWD_STATIC_GROUP=0, read once, runs the runtime-G kernel instead (A/B runs).
 // Runs f.template operator()<kGroup, kMinBlocks>() and returns true where such a variant exists.
 template <typename F>
@@ -1224,17 +1226,22 @@ cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
     const int64_t blocks = ceil_div(a.rows, c.threads / c.group);
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     return dispatch_iters(c.iters, [&]<int kIters>() {
-      const auto launch = [&]<int kGroup, int kMinBlocks>() {
-        const auto kernel = norm_fwd_kernel<T, false, kVec, kIters, kGroup, kMinBlocks>;
-        kernel<<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+      const auto run = [&]<bool kResidual>() {
+        // with a residual the kernel's bounds ignore kMinBlocks: one instantiation per group size
+        const auto launch = [&]<int kGroup, int kMinBlocks>() {
+          const auto kernel = norm_fwd_kernel<T, kResidual, kVec, kIters, kGroup, kResidual ? 2 : kMinBlocks>;
+          kernel<<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
+        };
+        if constexpr (sizeof(T) == 2 && kVec == 8 && kIters >= 3) {
+          const bool three_blocks = !kResidual && !(kIters == 4 && a.param_dtype == DType::kFloat32);
+          if (fwd_static_group(c.group, three_blocks, launch)) return;
+        }
+        launch.template operator()<0, 2>();
       };
       if (a.residual != nullptr) {
-        norm_fwd_kernel<T, true, kVec, kIters><<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
-      } else if constexpr (sizeof(T) == 2 && kVec == 8 && kIters >= 3) {
-        const bool three_blocks = !(kIters == 4 && a.param_dtype == DType::kFloat32);
-        if (!fwd_static_group(c.group, three_blocks, launch)) launch.template operator()<0, 2>();
+        run.template operator()<true>();
       } else {
-        launch.template operator()<0, 2>();
+        run.template operator()<false>();
       }
       return cudaGetLastError();
     });

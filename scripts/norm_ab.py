@@ -5,6 +5,7 @@ the benchmarks count bytes, at the benchmark's N (M = 2^27 / N rows). For exampl
     AMPKERNELS_NORM_BWD_PIPE=0 python scripts/norm_ab.py --pass bwd            # per-row CUDA kernels
     python scripts/norm_ab.py --pass bwd                                       # the default
     python scripts/norm_ab.py --pass fwd --params fp32 --backend triton
+    python scripts/norm_ab.py --pass fwd --residual                            # x + residual, normalised
     AMPKERNELS_TRITON_NORM_BWD_STAGES=1 python scripts/norm_ab.py --pass bwd --backend triton
 
 Each line is labelled with the AMPKERNELS_* variables that were set.
@@ -24,7 +25,11 @@ parser.add_argument("--backend", choices=("cuda", "triton", "auto"), default="cu
 parser.add_argument("--params", choices=("x", "fp32"), default="x",
                     help="weight/bias dtype: the input's, or fp32 (the AMP case)")
 parser.add_argument("--n", type=int, nargs="+", default=[768, 1024, 2048, 4096, 8192, 16384])
+parser.add_argument("--residual", action="store_true",
+                    help="forward only: fused residual add in x's dtype (x and residual read, out and the sum written)")
 args = parser.parse_args()
+if args.residual and args.which != "fwd":
+    parser.error("--residual times the forward only (--pass fwd)")
 
 label = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
                  if k.startswith("AMPKERNELS_") and k != "AMPKERNELS_COMMIT") or "(defaults)"
@@ -36,11 +41,14 @@ for dtype in (torch.bfloat16, torch.float16):
         w = torch.rand(n, device="cuda", dtype=pdtype, requires_grad=args.which == "bwd")
         b = torch.randn(n, device="cuda", dtype=pdtype, requires_grad=args.which == "bwd")
         dy = torch.randn(m, n, device="cuda", dtype=dtype)
+        res = torch.randn(m, n, device="cuda", dtype=dtype) if args.residual else None
         for op in ("layer_norm", "rms_norm"):
-            fwd = (functools.partial(ampkernels.layer_norm, x, (n,), w, b, backend=args.backend)
-                   if op == "layer_norm" else functools.partial(ampkernels.rms_norm, x, (n,), w, backend=args.backend))
+            fwd = (functools.partial(ampkernels.layer_norm, x, (n,), w, b, residual=res, backend=args.backend)
+                   if op == "layer_norm" else
+                   functools.partial(ampkernels.rms_norm, x, (n,), w, residual=res, backend=args.backend))
             if args.which == "fwd":
-                ms, moved = do_bench(fwd, warmup=25, rep=200), 2 * m * n * x.element_size()
+                ms = do_bench(fwd, warmup=25, rep=200)
+                moved = (4 if args.residual else 2) * m * n * x.element_size()
             else:
                 y = fwd()
                 inputs = (x, w, b) if op == "layer_norm" else (x, w)
@@ -48,6 +56,7 @@ for dtype in (torch.bfloat16, torch.float16):
                               warmup=25, rep=200)
                 moved = 3 * m * n * x.element_size()
                 del y
-            print(f"{label} {args.backend} {op} {args.which} {str(dtype)[6:]} params={args.params} N={n}: "
+            print(f"{label} {args.backend} {op} {args.which}{'+residual' if args.residual else ''} {str(dtype)[6:]} "
+                  f"params={args.params} N={n}: "
                   f"{moved / ms / 1e9:.2f} TB/s ({ms * 1e3:.1f} us)", flush=True)
-        del x, w, b, dy  # free this N before the next one
+        del x, w, b, dy, res  # free this N before the next one
