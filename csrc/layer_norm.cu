@@ -1031,7 +1031,8 @@ TileConfig bwd_config(const NormBackwardArgs& a) {
 // Four blocks (32 registers, 500-800 bytes of spill loads) ran 2.3-3.3, and the looped kernel
 // for rows of N >= 8192 1.8-2.6 (h200-2026-12-01-8e27dab-norm-fwd-four-blocks-looped-ab.log).
 // With a residual (fp32 tile, bounds of one 512-thread block an SM): 71 registers instead of 90,
-// and 16-byte stores of out and residual_out (nvcc had split them too).
+// and 16-byte stores of out and residual_out (nvcc had split them too): the same speed at N <=
+// 4096, 1-6% faster at 8192 and 13-20% at 16384 (h200-2026-12-01-e251f11-norm-fwd-residual-ab.log).
 // AMPKERNELS_NORM_FWD_STATIC_GROUP=0, read once, runs the runtime-G kernel instead (A/B runs).
 // Runs f.template operator()<kGroup, kMinBlocks>() and returns true where such a variant exists.
 template <typename F>
