@@ -1016,8 +1016,8 @@ TileConfig bwd_config(const NormBackwardArgs& a) {
 }
 
 // The forward's common case, 16-bit x in 16-byte vectors (with or without a residual), has its
-// group size as a compile-time constant (then G >= 32 goes with 3 or 4 vectors a thread): the butterfly
-// unrolls and a thread's slot addresses are one pointer plus constant offsets. With a runtime G,
+// group size as a compile-time constant (then G >= 32 goes with 3 or 4 vectors a thread): the
+// butterfly unrolls and a thread's slot addresses are one pointer plus constant offsets. With a runtime G,
 // Nsight Compute counted half of its instructions as integer and branch work, and at the 64-
 // register cap nvcc split each 16-byte output store into four (h200-2026-11-30-303896c-ncu-norm-
 // source.txt); with it, 56 registers and 16-byte stores. Measured at 67a4e5b from one build
