@@ -309,8 +309,10 @@ __device__ __forceinline__ float centred_squares(const Pack<TK, kVec> (&v)[kIter
 // the unrounded sum x + residual is what gets normalised). The params are read per vector after
 // the reductions (every row reads them: L1/L2 hits), their storage type fixed per dispatch (no
 // dtype branch per vector); each output vector is written as soon as it is computed.
-template <typename T, bool kResidual, int kVec, int kIters, int kGroup = 0, int kMinBlocks = 2>
-__global__ void __launch_bounds__(kFwdMaxGroup, kResidual ? 1 : kMinBlocks)
+// kGroup: G as a compile-time constant (0: the `group` argument); kMinBlocks: the blocks an SM
+// the launcher wants resident (the register budget), see norm_forward and fwd_static_group.
+template <typename T, bool kResidual, int kVec, int kIters, int kGroup, int kMinBlocks>
+__global__ void __launch_bounds__(kFwdMaxGroup, kMinBlocks)
     norm_fwd_kernel(const NormForwardArgs a, const int group) {
   using TK = std::conditional_t<kResidual, float, T>;
   const int G = kGroup != 0 ? kGroup : group;
@@ -1228,9 +1230,9 @@ cudaError_t norm_forward(const NormForwardArgs& a, cudaStream_t stream) {
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     return dispatch_iters(c.iters, [&]<int kIters>() {
       const auto run = [&]<bool kResidual>() {
-        // with a residual the kernel's bounds ignore kMinBlocks: one instantiation per group size
+        // with a residual (an fp32 tile) one block an SM, whatever fwd_static_group asks
         const auto launch = [&]<int kGroup, int kMinBlocks>() {
-          const auto kernel = norm_fwd_kernel<T, kResidual, kVec, kIters, kGroup, kResidual ? 2 : kMinBlocks>;
+          const auto kernel = norm_fwd_kernel<T, kResidual, kVec, kIters, kGroup, kResidual ? 1 : kMinBlocks>;
           kernel<<<unsigned(blocks), c.threads, 0, stream>>>(a, c.group);
         };
         if constexpr (sizeof(T) == 2 && kVec == 8 && kIters >= 3) {

@@ -17,7 +17,8 @@ def _int(text):
 
 
 def summarize(path, top):
-    lines = open(path).read().splitlines()
+    with open(path) as f:
+        lines = f.read().splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
     rows = [r for r in csv.DictReader(lines[header:]) if r.get("Source", "").strip()]
     executed, stalls = collections.Counter(), collections.Counter()
@@ -32,7 +33,7 @@ def summarize(path, top):
     for opcode, n in executed.most_common():
         if n / total >= 0.005:
             print(f"  {opcode:10s} {100 * n / total:8.1f} {100 * stalls[opcode] / total_stalls:9.1f}")
-    print(f"  SASS lines with the most stall samples:")
+    print("  SASS lines with the most stall samples:")
     for r in sorted(rows, key=lambda r: -_int(r["Warp Stall Sampling (All Samples)"]))[:top]:
         print(f"    {r['Address']:>6s} {_int(r['Warp Stall Sampling (All Samples)']):6d}  {r['Source'].strip()}")
 
