@@ -89,8 +89,8 @@ struct NormForwardArgs {
   const void* bias;      // (cols) or nullptr; same dtype as weight
   void* out;             // (rows, cols), out_dtype
   void* residual_out;    // (rows, cols) or nullptr: x + residual in residual_out_dtype
-  float* mean;           // (rows) or nullptr (RMSNorm)
-  float* rstd;           // (rows)
+  float* mean;           // (rows) or nullptr (RMSNorm, or statistics not wanted)
+  float* rstd;           // (rows) or nullptr (statistics not wanted: inference)
   int64_t rows, cols;
   float eps;
   bool is_rms;

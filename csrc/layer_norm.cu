@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(kFwdMaxGroup, kMinBlocks)
   if constexpr (!kResidual && sizeof(T) == 2) refresh_tile<T, kVec, kIters>(v);
   if (valid && t == 0) {
     if (a.mean != nullptr) a.mean[row] = mean;
-    a.rstd[row] = rstd;
+    if (a.rstd != nullptr) a.rstd[row] = rstd;
   }
 
   auto normalise = [&]<typename TP>() {
@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(kLoopedThreads) norm_fwd_looped_kernel(const N
   const float rstd = rsqrtf(block_sum(sq, red) / float(a.cols) + a.eps);
   if (threadIdx.x == 0) {
     if (a.mean != nullptr) a.mean[row] = mean;
-    a.rstd[row] = rstd;
+    if (a.rstd != nullptr) a.rstd[row] = rstd;
   }
   for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
     float v[kVec], y[kVec];

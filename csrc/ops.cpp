@@ -175,11 +175,12 @@ void check_param(const at::Tensor& p, const at::Tensor& x, DType x_dtype, const 
               " or float32, got ", p.scalar_type());
 }
 
-// (out, residual_out, mean, rstd); residual_out is empty without a residual, mean for RMSNorm.
+// (out, residual_out, mean, rstd); residual_out is empty without a residual, mean for RMSNorm,
+// mean and rstd without want_stats (inference: no backward reads them, so none is written).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(
     const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& residual, double eps, bool is_rms, std::optional<at::ScalarType> out_dtype,
-    bool residual_in_fp32) {
+    bool residual_in_fp32, bool want_stats) {
   constexpr const char* op = "norm_fwd_cuda";
   check_cuda(x, op, "x");
   check_contiguous(x, op, "x");
@@ -210,16 +211,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(
     residual_out = at::empty({rows, cols}, x.options().dtype(residual_in_fp32 ? at::kFloat : x.scalar_type()));
     a.residual_out_dtype = to_dtype(residual_out.scalar_type(), op, "residual_out");
   }
-  at::Tensor mean = at::empty({is_rms ? 0 : rows}, x.options().dtype(at::kFloat));
-  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor mean = at::empty({is_rms || !want_stats ? 0 : rows}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({want_stats ? rows : 0}, x.options().dtype(at::kFloat));
   a.x = x.data_ptr();
   a.residual = residual ? residual->data_ptr() : nullptr;
   a.weight = weight ? weight->data_ptr() : nullptr;
   a.bias = bias ? bias->data_ptr() : nullptr;
   a.out = out.data_ptr();
   a.residual_out = residual ? residual_out.data_ptr() : nullptr;
-  a.mean = is_rms ? nullptr : mean.data_ptr<float>();
-  a.rstd = rstd.data_ptr<float>();
+  a.mean = is_rms || !want_stats ? nullptr : mean.data_ptr<float>();
+  a.rstd = want_stats ? rstd.data_ptr<float>() : nullptr;
   a.rows = rows;
   a.cols = cols;
   a.eps = float(eps);
@@ -315,7 +316,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
 
 TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
   m.def("norm_fwd_cuda(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool is_rms, "
-        "ScalarType? out_dtype, bool residual_in_fp32) -> (Tensor out, Tensor residual_out, Tensor mean, Tensor rstd)");
+        "ScalarType? out_dtype, bool residual_in_fp32, bool want_stats=True) -> "
+        "(Tensor out, Tensor residual_out, Tensor mean, Tensor rstd)");
   m.def("norm_bwd_cuda(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor? dresidual_out, "
         "bool is_rms, bool want_dweight, bool want_dbias, ScalarType dx_dtype, ScalarType? dresidual_dtype, "
         "ScalarType? param_dtype) -> (Tensor dx, Tensor dresidual, Tensor dweight, Tensor dbias)");

@@ -185,13 +185,15 @@ def launch_everything(max_shared):
         for tma in (True, False):
             tla.linear_act_fwd(x, w, None, gelu, False, tma=tma)
         tla.linear_act_dz(y, y, gelu, False)
-        # norms: N picks the regime (several rows per program, one row, looped); LayerNorm with
-        # fp32 params and a residual, RMSNorm with 16-bit params and none
-        for n in (7, 768, 4096, 16384, 65536):
+        # norms: N picks the regime (several rows per program, one row, chunked with and without
+        # a partial chunk); LayerNorm with fp32 params and a residual, RMSNorm with 16-bit params
+        # and none; the forward for training (mean/rstd stored) and for inference
+        for n in (7, 768, 4096, 16384, 20000, 65536):
             x = empty(64, n, dtype=dtype)
             for is_rms, params, residual in ((False, torch.float32, x), (True, dtype, None)):
                 w = empty(n, dtype=params)
                 b = None if is_rms else empty(n, dtype=params)
+                tln.norm_fwd(x, w, b, residual, 1e-5, is_rms, None, False, want_stats=False)
                 _, _, mean, rstd = tln.norm_fwd(x, w, b, residual, 1e-5, is_rms, None, False)
                 tln.norm_bwd(x, x, w, mean, rstd, residual, is_rms, True, not is_rms, dtype,
                              None if residual is None else torch.float32, params)

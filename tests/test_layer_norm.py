@@ -65,6 +65,11 @@ def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=F
         ref = reference.layer_norm(x6, n, w6, b6, eps, residual=r6)
     out, out64 = (res[0], ref[0]) if residual is not None else (res, ref)
     assert out.dtype == (out_dtype or x.dtype) and out.shape == x.shape
+    with torch.no_grad():  # inference (no mean/rstd stored): the same kernel, bit for bit
+        res_inf = _norm(is_rms, xx, n, ww, bb, eps, residual=rr, residual_in_fp32=residual_in_fp32,
+                        out_dtype=out_dtype, backend=backend)
+    for a, c in zip(res_inf if residual is not None else [res_inf], res if residual is not None else [res]):
+        assert torch.equal(a, c), "inference forward differs from the training forward"
     what = f"{backend} {'rms' if is_rms else 'ln'} {x.dtype} n={n}"
     tol_dtype = x.dtype if out_dtype is None or out_dtype == torch.float32 else out_dtype
     assert_rel_close(out, out64, tol_dtype, factor=factor, what=f"{what} out")
@@ -205,13 +210,15 @@ def test_triton_interpret_residual_and_out_dtype(is_rms, residual_in_fp32):
 @needs_triton
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
-    """Rows longer than the register tile: force the looped kernels on a small row."""
+    """Rows longer than the register tile: force the chunked forward and the looped backward on
+    a small row (100 = 3 chunks of 32 and a partial one)."""
     _interp()
     from ampkernels.triton import layer_norm as tln
     monkeypatch.setattr(tln, "_MAX_FWD_BLOCK", 32)
     monkeypatch.setattr(tln, "_MAX_BWD_BLOCK", 32)
     monkeypatch.setattr(tln, "_MAX_BWD_RELOAD_BLOCK", 32)
     monkeypatch.setattr(tln, "_LOOP_BLOCK", 32)
+    monkeypatch.setattr(tln, "_CHUNK", 32)
     tln._bwd_config.cache_clear()
     try:
         assert tln._bwd_config(100)[4], "looped backward"
@@ -561,13 +568,14 @@ def _opcheck(backend, dtype):
     x, w, b = _inputs(6, 24, dtype, "cpu", torch.float32)
     r = randn(6, 24, dtype=dtype)
     fwd, bwd = torch.ops.ampkernels.norm_fwd.default, torch.ops.ampkernels.norm_bwd.default
-    torch.library.opcheck(fwd, (x, w, b, r, 1e-5, False, None, True, backend))
-    torch.library.opcheck(fwd, (x, w, None, None, 1e-6, True, torch.float32, False, backend))
-    out, s, mean, rstd = fwd(x, w, b, r, 1e-5, False, None, True, backend)
+    torch.library.opcheck(fwd, (x, w, b, r, 1e-5, False, None, True, True, backend))
+    torch.library.opcheck(fwd, (x, w, None, None, 1e-6, True, torch.float32, False, True, backend))
+    torch.library.opcheck(fwd, (x, w, b, r, 1e-5, False, None, False, False, backend))  # inference: no stats
+    out, s, mean, rstd = fwd(x, w, b, r, 1e-5, False, None, True, True, backend)
     dy = randn(6, 24, dtype=dtype)
     torch.library.opcheck(bwd, (dy, s, w, mean, rstd, s.clone(), False, True, True, dtype, torch.float32,
                                 torch.float32, backend))
-    _, _, mean, rstd = fwd(x, None, None, None, 1e-6, True, None, False, backend)
+    _, _, mean, rstd = fwd(x, None, None, None, 1e-6, True, None, False, True, backend)
     torch.library.opcheck(bwd, (dy, x, None, mean, rstd, None, True, False, False, dtype, None, None, backend))
 
 
@@ -744,9 +752,10 @@ def test_gpu_opcheck(backend):
     x, w, b = _inputs(33, 1000, torch.float16, "cuda", torch.float32)
     r = randn(33, 1000, dtype=torch.float16, device="cuda")
     fwd, bwd = torch.ops.ampkernels.norm_fwd.default, torch.ops.ampkernels.norm_bwd.default
-    torch.library.opcheck(fwd, (x, w, b, r, 1e-5, False, None, False, backend))
-    torch.library.opcheck(fwd, (x, w, None, None, 1e-6, True, torch.float32, False, backend))
-    out, s, mean, rstd = fwd(x, w, b, r, 1e-5, False, None, True, backend)
+    torch.library.opcheck(fwd, (x, w, b, r, 1e-5, False, None, False, True, backend))
+    torch.library.opcheck(fwd, (x, w, None, None, 1e-6, True, torch.float32, False, True, backend))
+    torch.library.opcheck(fwd, (x, w, b, r, 1e-5, False, None, False, False, backend))  # inference: no stats
+    out, s, mean, rstd = fwd(x, w, b, r, 1e-5, False, None, True, True, backend)
     torch.library.opcheck(bwd, (torch.randn_like(x), s, w, mean, rstd, s.clone(), False, True, True, x.dtype,
                                 torch.float32, torch.float32, backend))
 

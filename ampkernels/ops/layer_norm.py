@@ -34,37 +34,40 @@ def _stat_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32  # float64: reference only
 
 
-def _fwd_impl(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend):
+def _fwd_impl(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats, backend):
     if backend == "cuda":
-        return torch.ops.ampkernels.norm_fwd_cuda(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32)
+        return torch.ops.ampkernels.norm_fwd_cuda(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32,
+                                                  want_stats)
     if backend == "triton":
-        return _triton().norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32)
+        return _triton().norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats)
     out, res_out, mean, rstd = reference.norm_forward(x, weight, bias, eps, residual=residual,
                                                       residual_in_fp32=residual_in_fp32, out_dtype=out_dtype,
                                                       is_rms=is_rms)
-    empty = x.new_empty(0, dtype=_stat_dtype(x))
-    return (out, x.new_empty(0) if res_out is None else res_out, empty if mean is None else mean.contiguous(),
-            rstd.contiguous())
+    def stat(t):  # a tensor of its own each (custom-op outputs must not alias)
+        return t.contiguous() if t is not None and want_stats else x.new_empty(0, dtype=_stat_dtype(x))
+    return out, x.new_empty(0) if res_out is None else res_out, stat(mean), stat(rstd)
 
 
 @torch.library.custom_op("ampkernels::norm_fwd", mutates_args=())
 def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
-             is_rms: bool, out_dtype: Optional[torch.dtype], residual_in_fp32: bool,
+             is_rms: bool, out_dtype: Optional[torch.dtype], residual_in_fp32: bool, want_stats: bool,
              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, residual_out, mean, rstd) for a 2-D contiguous x; absent outputs are empty."""
-    return _fwd_impl(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend)
+    """(out, residual_out, mean, rstd) for a 2-D contiguous x; absent outputs are empty (mean
+    and rstd without want_stats: the kernels then write neither)."""
+    return _fwd_impl(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats, backend)
 
 
 @norm_fwd.register_fake
-def _(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend):
+def _(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats, backend):
     rows = x.shape[0]
     stat = _stat_dtype(x)
     if residual is None:
         res_out = x.new_empty(0)
     else:
         res_out = x.new_empty(x.shape, dtype=torch.float32 if residual_in_fp32 and stat == torch.float32 else x.dtype)
-    return (x.new_empty(x.shape, dtype=out_dtype or x.dtype), res_out, x.new_empty(0 if is_rms else rows, dtype=stat),
-            x.new_empty(rows, dtype=stat))
+    return (x.new_empty(x.shape, dtype=out_dtype or x.dtype), res_out,
+            x.new_empty(0 if is_rms or not want_stats else rows, dtype=stat),
+            x.new_empty(rows if want_stats else 0, dtype=stat))
 
 
 def _bwd_impl(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype,
@@ -133,7 +136,7 @@ class NormFunction(torch.autograd.Function):
         if bias is not None and weight is not None and bias.dtype != weight.dtype:
             bias_k = bias.to(weight.dtype)  # the kernels take one param dtype; dbias goes back to bias.dtype
         out, res_out, mean, rstd = _fwd_op()(x, weight, bias_k, residual, eps, is_rms, out_dtype, residual_in_fp32,
-                                             backend)
+                                             True, backend)
         # backward re-reads what was normalised: x, or the stored residual sum
         ctx.save_for_backward(res_out if residual is not None else x, weight, mean, rstd)
         ctx.set_materialize_grads(False)
@@ -257,11 +260,11 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w2, b2, res2)):
         result = NormFunction.apply(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32), name,
                                     bwd_name)
-    else:  # inference: the forward alone, nothing saved
+    else:  # inference: the forward alone, nothing saved (no mean/rstd written: 8 bytes a row)
         if b2 is not None and w2 is not None and b2.dtype != w2.dtype:
             b2 = b2.to(w2.dtype)
         out, res_out, _, _ = _fwd_op()(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32),
-                                       name)
+                                       False, name)
         result = out if res2 is None else (out, res_out)
     if residual is None:
         return result if x2 is x else result.reshape(x.shape)
