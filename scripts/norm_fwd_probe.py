@@ -55,17 +55,17 @@ def launcher(kind, a, b, c, x, w, bias, is_rms):
     y = torch.empty_like(x)
     mean = torch.empty(m, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    kargs = (x, x, w, x if bias is None else bias, y, x, rstd if is_rms else mean, rstd, m, n, 1e-5)
+    kargs = (x, x, w, x if bias is None else bias, y, x, rstd if is_rms else mean, rstd, m, n, 1e-5, int(c[-1]))
     flags = dict(IS_RMS=is_rms, HAS_R=False, HAS_W=True, HAS_B=bias is not None)
     block = 1 << (n - 1).bit_length()
 
     def go():  # launches, returns y
         if kind == "reg":
             tln._norm_fwd_kernel[(-(-m // a),)](*kargs, **flags, BLOCK_N=block, ROWS=a, PARAMS_FIRST=c[0],
-                                                STORE_STATS=c[1], num_warps=b)
+                                                num_warps=b)
         else:
             tln._norm_fwd_chunked_kernel[(m,)](*kargs, **flags, BLOCK_N=a, UNROLL=c[0], EVEN=n % a == 0,
-                                               STORE_STATS=c[1], num_warps=b)
+                                               num_warps=b)
         return y
     return go
 

@@ -92,7 +92,8 @@ class Checker:
                 constexprs[param.name] = value
             else:
                 signature[param.name] = _arg_type(value)
-                if _divisible_by_16(value) and i not in fn.do_not_specialize:
+                # do_not_specialize holds names (Triton 3.8) or indices (older)
+                if _divisible_by_16(value) and i not in fn.do_not_specialize and param.name not in fn.do_not_specialize:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted(map(str, constexprs.items()))),
                tuple(sorted(attrs)), tuple(sorted(options.items())))

@@ -43,11 +43,13 @@ _LOOP_BLOCK = 4096      # column chunk of the looped backward
 _SMEM_MARGIN = 2048     # shared memory beyond the pipeline buffers (reduction scratch, mean/rstd)
 
 
-@triton.jit
-def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
+# store_stats (0 or 1: inference stores no mean/rstd) is a run-time argument, not a constexpr, so
+# that both uses run one compiled kernel and give the same bits (as two compilations of
+# LayerNorm at N = 768 did not on the H200 at 065571a); the branch is uniform and costs nothing
+@triton.jit(do_not_specialize=["store_stats"])
+def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_stats,
                      IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PARAMS_FIRST: tl.constexpr,
-                     STORE_STATS: tl.constexpr):
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PARAMS_FIRST: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
@@ -67,11 +69,11 @@ def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
         xc = x
     else:
         mean = tl.sum(x, axis=1) / N
-        if STORE_STATS:
+        if store_stats:
             tl.store(MEAN + rows, mean, mask=rmask)
         xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    if STORE_STATS:
+    if store_stats:
         tl.store(RSTD + rows, rstd, mask=rmask)
     y = xc * rstd[:, None]
     if HAS_W:
@@ -101,11 +103,10 @@ def _load_chunk(ptr, m, EVEN: tl.constexpr, POLICY: tl.constexpr):
     return tl.load(ptr, mask=m, other=0.0, eviction_policy=POLICY).to(tl.float32)
 
 
-@triton.jit
-def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
+@triton.jit(do_not_specialize=["store_stats"])
+def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_stats,
                              IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                             BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
-                             STORE_STATS: tl.constexpr):
+                             BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr):
     # Rows too long for registers: one row per program in BLOCK_N-column chunks, two passes.
     # The first reads the row for its statistics (evict_last: kept in L2), the second reads it
     # again from L2 (evict_first) to normalise it. Each lane keeps its own running statistics
@@ -141,10 +142,10 @@ def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
     else:
         count = (N // BLOCK_N + (cols0 < N % BLOCK_N)).to(tl.float32)  # values each lane summarised
         row_mean, row_m2, _ = tl.reduce((mean, m2, count), 0, _welford_combine)
-        if STORE_STATS:
+        if store_stats:
             tl.store(MEAN + row, row_mean)
     rstd = 1.0 / tl.sqrt(row_m2 / N + eps)
-    if STORE_STATS:
+    if store_stats:
         tl.store(RSTD + row, rstd)
     for start in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
         cols = start + cols0
@@ -524,6 +525,13 @@ def _check_2d(x, name):
         raise ValueError(f"triton norm: {name} must be a contiguous 2-D tensor, got shape {tuple(x.shape)}")
 
 
+@functools.lru_cache(None)
+def _fp32_dummy(device):
+    """An fp32 pointer for MEAN/RSTD when they are not written: the same pointer type (and so the
+    same compiled kernel) as when they are."""
+    return torch.empty(4, dtype=torch.float32, device=device)
+
+
 def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats=True):
     """(out, residual_out, mean, rstd), as torch.ops.ampkernels.norm_fwd_cuda; want_stats=False
     (inference: no backward reads them) leaves mean and rstd empty and unwritten."""
@@ -537,12 +545,12 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     rstd = torch.empty(M if want_stats else 0, dtype=torch.float32, device=x.device)
     if M == 0 or N == 0:
         return out, res_out, mean, rstd
-    dummy = x
+    dummy, stat_dummy = x, _fp32_dummy(x.device)
     args = (x, dummy if residual is None else residual, dummy if weight is None else weight,
             dummy if bias is None else bias, out, dummy if residual is None else res_out,
-            dummy if is_rms or not want_stats else mean, dummy if not want_stats else rstd, M, N, eps)
-    flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-                 STORE_STATS=want_stats)
+            mean if want_stats and not is_rms else stat_dummy, rstd if want_stats else stat_dummy,
+            M, N, eps, int(want_stats))
+    flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
     wide_params = x.element_size() == 2 and weight is not None and weight.element_size() == 4
     block, rows, warps, params_first = _fwd_config(N, wide_params)
     with on_device(x):
