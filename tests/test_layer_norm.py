@@ -41,6 +41,19 @@ def _inputs(m, n, dtype, device, pdtype=None, affine=True, lead=(), mean=0.0):
     return x, w, b
 
 
+def _assert_inference_matches(inf, train, backend):
+    """The inference forward against the training forward: the same kernel (bit for bit) on the
+    cuda backend and the reference; Triton's register kernel compiles an inference variant
+    without the stats stores, which may round differently, so there at most one unit in the
+    last place of the output dtype apart."""
+    if backend != "triton":
+        assert torch.equal(inf, train), "inference forward differs from the training forward"
+        return
+    gap = (inf.double() - train.double()).abs()
+    ulp = torch.finfo(train.dtype).eps * train.double().abs() + torch.finfo(train.dtype).tiny
+    assert bool((gap <= ulp).all()), f"inference forward {gap.max().item():.3g} from the training forward"
+
+
 def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=False, out_dtype=None, factor=1.0,
            use_res_out=True):
     """Forward and every gradient of one call against float64 autograd on the same inputs."""
@@ -65,11 +78,11 @@ def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=F
         ref = reference.layer_norm(x6, n, w6, b6, eps, residual=r6)
     out, out64 = (res[0], ref[0]) if residual is not None else (res, ref)
     assert out.dtype == (out_dtype or x.dtype) and out.shape == x.shape
-    with torch.no_grad():  # inference (no mean/rstd stored): the same kernel, bit for bit
+    with torch.no_grad():  # inference: no mean/rstd stored
         res_inf = _norm(is_rms, xx, n, ww, bb, eps, residual=rr, residual_in_fp32=residual_in_fp32,
                         out_dtype=out_dtype, backend=backend)
     for a, c in zip(res_inf if residual is not None else [res_inf], res if residual is not None else [res]):
-        assert torch.equal(a, c), "inference forward differs from the training forward"
+        _assert_inference_matches(a, c.detach(), backend)
     what = f"{backend} {'rms' if is_rms else 'ln'} {x.dtype} n={n}"
     tol_dtype = x.dtype if out_dtype is None or out_dtype == torch.float32 else out_dtype
     assert_rel_close(out, out64, tol_dtype, factor=factor, what=f"{what} out")

@@ -43,13 +43,16 @@ _LOOP_BLOCK = 4096      # column chunk of the looped backward
 _SMEM_MARGIN = 2048     # shared memory beyond the pipeline buffers (reduction scratch, mean/rstd)
 
 
-# store_stats (0 or 1: inference stores no mean/rstd) is a run-time argument, not a constexpr, so
-# that both uses run one compiled kernel and give the same bits (two compilations of LayerNorm
-# differed in the last bit at N = 768 on the H200 at 065571a)
-@triton.jit(do_not_specialize=["store_stats"])
-def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_stats,
+# STORE_STATS=False (inference) compiles a variant without the mean/rstd stores: 1-2.5% faster
+# at N <= 1024 (scripts/norm_fwd_probe.py, h200-2026-12-01-*-norm-fwd-probe.log). Its output may
+# differ from the training forward's in the last bit (it did for LayerNorm at N = 768, 1000 on
+# the H200 at 065571a). A run-time flag instead, for one kernel and the same bits, cost this
+# kernel 5-35% at N = 8192/16384 on Triton 3.6 wherever the branch went (at 466e5ad, 08f4591).
+@triton.jit
+def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
                      IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PARAMS_FIRST: tl.constexpr):
+                     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PARAMS_FIRST: tl.constexpr,
+                     STORE_STATS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
@@ -69,8 +72,12 @@ def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_stats,
         xc = x
     else:
         mean = tl.sum(x, axis=1) / N
+        if STORE_STATS:
+            tl.store(MEAN + rows, mean, mask=rmask)
         xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    if STORE_STATS:
+        tl.store(RSTD + rows, rstd, mask=rmask)
     y = xc * rstd[:, None]
     if HAS_W:
         if not PARAMS_FIRST:
@@ -81,10 +88,6 @@ def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_stats,
             b = tl.load(B + cols, mask=cmask, other=0.0)
         y += b.to(tl.float32)[None, :]
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-    if store_stats:  # last: a branch between the reductions slowed N = 8192/16384 by 5-15% (Triton 3.6)
-        if not IS_RMS:
-            tl.store(MEAN + rows, mean, mask=rmask)
-        tl.store(RSTD + rows, rstd, mask=rmask)
 
 
 @triton.jit
@@ -103,6 +106,8 @@ def _load_chunk(ptr, m, EVEN: tl.constexpr, POLICY: tl.constexpr):
     return tl.load(ptr, mask=m, other=0.0, eviction_policy=POLICY).to(tl.float32)
 
 
+# store_stats (0: inference) is a run-time argument: training and inference run one compiled
+# kernel, the same bits; its branch sits between the two passes, where it measured no cost.
 @triton.jit(do_not_specialize=["store_stats"])
 def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_stats,
                              IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -527,8 +532,8 @@ def _check_2d(x, name):
 
 @functools.lru_cache(None)
 def _fp32_dummy(device):
-    """An fp32 pointer for MEAN/RSTD when they are not written: the same pointer type (and so the
-    same compiled kernel) as when they are."""
+    """An fp32 pointer for MEAN/RSTD when they are not written: the same pointer type as when they
+    are (for the chunked kernel, the same compiled kernel)."""
     return torch.empty(4, dtype=torch.float32, device=device)
 
 
@@ -548,18 +553,17 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     dummy, stat_dummy = x, _fp32_dummy(x.device)
     args = (x, dummy if residual is None else residual, dummy if weight is None else weight,
             dummy if bias is None else bias, out, dummy if residual is None else res_out,
-            mean if want_stats and not is_rms else stat_dummy, rstd if want_stats else stat_dummy,
-            M, N, eps, int(want_stats))
+            mean if want_stats and not is_rms else stat_dummy, rstd if want_stats else stat_dummy, M, N, eps)
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
     wide_params = x.element_size() == 2 and weight is not None and weight.element_size() == 4
     block, rows, warps, params_first = _fwd_config(N, wide_params)
     with on_device(x):
         if _fwd_chunked(block, is_rms, wide_params):
-            _norm_fwd_chunked_kernel[(M,)](*args, **flags, BLOCK_N=_CHUNK, UNROLL=_CHUNK_UNROLL,
+            _norm_fwd_chunked_kernel[(M,)](*args, int(want_stats), **flags, BLOCK_N=_CHUNK, UNROLL=_CHUNK_UNROLL,
                                            EVEN=N % _CHUNK == 0, num_warps=_CHUNK_WARPS)
         else:
             _norm_fwd_kernel[(cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, PARAMS_FIRST=params_first,
-                                               num_warps=warps)
+                                               STORE_STATS=want_stats, num_warps=warps)
     return out, res_out, mean, rstd
 
 
