@@ -189,7 +189,7 @@ def launch_everything(max_shared):
         # norms: N picks the regime (several rows per program, one row, chunked with and without
         # a partial chunk); LayerNorm with fp32 params and a residual, RMSNorm with 16-bit params
         # and none; the forward for training (mean/rstd stored) and for inference
-        for n in (7, 768, 4096, 16384, 20000, 65536):
+        for n in (7, 768, 4096, 8192, 16384, 20000, 65536):
             x = empty(64, n, dtype=dtype)
             for is_rms, params, residual in ((False, torch.float32, x), (True, dtype, None)):
                 w = empty(n, dtype=params)

@@ -44,14 +44,15 @@ def _inputs(m, n, dtype, device, pdtype=None, affine=True, lead=(), mean=0.0):
 def _assert_inference_matches(inf, train, backend):
     """The inference forward against the training forward: the same kernel (bit for bit) on the
     cuda backend and the reference; Triton's register kernel compiles an inference variant
-    without the stats stores, which may round differently, so there at most one unit in the
-    last place of the output dtype apart."""
+    without the stats stores, whose fp32 intermediates may round differently (at 065571a fp16
+    outputs differed by one unit in the last place), so there at most 4 units in the last place
+    of the output dtype apart."""
     if backend != "triton":
         assert torch.equal(inf, train), "inference forward differs from the training forward"
         return
     gap = (inf.double() - train.double()).abs()
-    ulp = torch.finfo(train.dtype).eps * train.double().abs() + torch.finfo(train.dtype).tiny
-    assert bool((gap <= ulp).all()), f"inference forward {gap.max().item():.3g} from the training forward"
+    ulps = 4 * torch.finfo(train.dtype).eps * train.double().abs() + torch.finfo(train.dtype).tiny
+    assert bool((gap <= ulps).all()), f"inference forward {gap.max().item():.3g} from the training forward"
 
 
 def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=False, out_dtype=None, factor=1.0,
@@ -224,20 +225,21 @@ def test_triton_interpret_residual_and_out_dtype(is_rms, residual_in_fp32):
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
     """Rows longer than the register tile: force the chunked forward and the looped backward on
-    a small row (100 = 3 chunks of 32 and a partial one)."""
+    small rows (100 = 3 chunks of 32 and a partial one; 96 = 3 whole chunks, no masks)."""
     _interp()
     from ampkernels.triton import layer_norm as tln
     monkeypatch.setattr(tln, "_MAX_FWD_BLOCK", 32)
     monkeypatch.setattr(tln, "_MAX_BWD_BLOCK", 32)
     monkeypatch.setattr(tln, "_MAX_BWD_RELOAD_BLOCK", 32)
     monkeypatch.setattr(tln, "_LOOP_BLOCK", 32)
-    monkeypatch.setattr(tln, "_CHUNK", 32)
+    monkeypatch.setattr(tln, "_CHUNKED_LONG", (32, 4, 2))
     tln._bwd_config.cache_clear()
     try:
         assert tln._bwd_config(100)[4], "looped backward"
-        x, w, b = _inputs(5, 100, torch.float32, "cpu", mean=5.0)
-        _check(is_rms, x, w, b, "triton", residual=randn(5, 100))
-        _check(is_rms, x, w, b, "triton")
+        for n in (100, 96):
+            x, w, b = _inputs(5, n, torch.float32, "cpu", mean=5.0)
+            _check(is_rms, x, w, b, "triton", residual=randn(5, n))
+            _check(is_rms, x, w, b, "triton")
     finally:
         tln._bwd_config.cache_clear()
 
@@ -399,6 +401,22 @@ def test_triton_fwd_config_for_every_row_length_and_params_dtype():
         for wide in (False, True):
             block, rows, warps, _ = tln._fwd_config(n, wide)
             assert block >= n and block & (block - 1) == 0 and rows >= 1 and warps in (2, 4, 8, 16, 32), (n, wide)
+
+
+def test_triton_fwd_chunked_dispatch():
+    """Which rows the chunked forward takes: all past the register kernel; RMSNorm's of 8192 and
+    16384 elements with params in x's dtype; never LayerNorm's up to 16384."""
+    pytest.importorskip("triton")
+    from ampkernels.triton import layer_norm as tln
+    for block in (1024, 8192, 16384):
+        assert tln._fwd_chunked(block, False, False) is None
+        assert tln._fwd_chunked(block, True, True) is None  # fp32 params: the register kernel's table
+    assert tln._fwd_chunked(4096, True, False) is None
+    assert tln._fwd_chunked(8192, True, False) and tln._fwd_chunked(16384, True, False)
+    for is_rms in (False, True):
+        for wide in (False, True):
+            chunk, warps, unroll = tln._fwd_chunked(32768, is_rms, wide)
+            assert chunk & (chunk - 1) == 0 and warps * 32 <= chunk and unroll >= 1
 
 
 def test_bench_sweep_fwd_covers_the_default_for_both_param_dtypes():

@@ -176,15 +176,14 @@ def _preference(x, n, pas="fwd", param_dtype=None):
     Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
     the forward on one and the backward on the other. The order comes from the H200 norm
     benchmark (benchmarks/bench_layer_norm.py; fp16 and bf16, M*N = 2^27, N = 768..16384), last at
-    51fa175 (benchmarks/results/h200-2026-12-01-51fa175-norms.jsonl; the runs at 4ce559d, 7672746,
-    9692629 and 58695ad gave the same order):
-    - forward, params in x's dtype: Triton, 3.76-4.06 TB/s against CUDA's 3.75-4.01 (one Triton
-      row at 2.48 was host jitter: 3.97 at 4ce559d). CUDA is ahead by 2% at LayerNorm fp16
-      N = 16384 only;
-    - forward of 16-bit x with fp32 params (the AMP case): CUDA. LayerNorm 3.38-3.96 against
-      Triton's 2.27-3.84, ahead at every N; RMSNorm 3.81-3.99 against 3.34-4.03 (Triton ahead by
-      under 2% at N <= 2048, CUDA by 5-14% at 8192 and 16384);
-    - backward: CUDA, 3.24-3.67 as called at every N. Triton's kernels run 3.6-3.9 from a CUDA
+    065571a (benchmarks/results/h200-2026-12-01-065571a-norms.jsonl; the runs at 51fa175, 4ce559d,
+    7672746, 9692629 and 58695ad gave the same order):
+    - forward, params in x's dtype: Triton, 3.75-4.11 TB/s against CUDA's 3.76-4.09. CUDA is
+      ahead at LayerNorm N = 16384 only (fp16 by 3%, bf16 by 0.3%);
+    - forward of 16-bit x with fp32 params (the AMP case): CUDA. LayerNorm 3.39-4.07 against
+      Triton's 2.27-3.94, ahead at every N; RMSNorm 3.82-4.05 against 3.45-4.11 (Triton ahead by
+      under 1.5% at N <= 4096, CUDA by 3-10% at 8192 and 16384);
+    - backward: CUDA, 3.23-3.66 as called at every N. Triton's kernels run 3.6-3.9 from a CUDA
       graph at N = 1024..8192 (2.5-2.6 for LayerNorm at 16384) and at N = 8192 beat CUDA as
       called too (3.60-3.78 against 3.26-3.61), but a Triton call costs the host 100-160 us
       against 35-55 us for the extension (scripts/norm_bwd_probe.py,

@@ -440,19 +440,26 @@ _FWD = {1024: (2, 2, False), 2048: (1, 4, False), 4096: (1, 4, True), 8192: (1, 
 _FWD_WIDE_PARAMS = {2048: (4, 8, False), 4096: (2, 8, False), 8192: (1, 8, True), 16384: (2, 32, False)}
 
 
-# Rows past the register kernel (and RMSNorm's of 16384 elements with 16-bit params) take the
-# chunked two-pass kernel, 4096-column chunks, 16 warps, unrolled 8 times. Measured at 32768 and
-# 65536 (scripts/norm_fwd_probe.py, bf16, H200; benchmarks/results/h200-2026-12-01-*-norm-fwd-probe.log):
-# LayerNorm 3.16 / 2.70 TB/s against 2.55 / 1.98 for the three-pass looped kernel it replaced,
-# RMSNorm 3.89 / 2.81 against 3.48 / 2.59; RMSNorm at 16384 4.10 against 4.01-4.04 for the
-# register kernel. LayerNorm at 16384 stays on the register kernel (3.78; chunked 3.05-3.37:
-# its Welford chain leaves fewer loads in flight). Without unrolling (one chunk's loads in
-# flight a thread) or pipelined through shared memory (tl.range num_stages = 3) it ran 10-30% slower.
-_CHUNK, _CHUNK_WARPS, _CHUNK_UNROLL = 4096, 16, 8
+# The chunked two-pass kernel takes rows past the register kernel, and RMSNorm's of 8192 and
+# 16384 elements with 16-bit params: (chunk columns, warps, unroll) below. Measured with
+# scripts/norm_fwd_probe.py (bf16, H200; benchmarks/results/h200-2026-12-01-*-norm-fwd-probe.log):
+# - N = 32768 / 65536, 4096/16/8: LayerNorm 3.16-3.40 / 2.70-2.72 TB/s against 2.55 / 1.98 for
+#   the three-pass looped kernel it replaced; RMSNorm 3.85-3.89 / 2.65-2.81 against 3.48 / 2.59.
+# - RMSNorm at 16384, 4096/16/8: 4.07-4.12 against 3.98-4.01 for the register kernel; at 8192,
+#   4096/16/4: 4.09-4.10 against 3.94-3.99 (4096/16/8 there: 3.80-3.82).
+# - LayerNorm at 8192 and 16384 stays on the register kernel (3.94-3.99, 3.76): the chunked one
+#   ran 2.0-3.5 there, its Welford chain leaving fewer loads in flight.
+# Without unrolling (one chunk's loads in flight a thread), or pipelined through shared memory
+# (tl.range num_stages = 3), it ran 10-30% slower.
+_CHUNKED_LONG = (4096, 16, 8)
+_CHUNKED_RMS = {8192: (4096, 16, 4), 16384: (4096, 16, 8)}
 
 
 def _fwd_chunked(block, is_rms, wide_params):
-    return block > _MAX_FWD_BLOCK or (is_rms and block == _MAX_FWD_BLOCK and not wide_params)
+    """(chunk columns, warps, unroll) when the chunked kernel runs rows of this BLOCK_N, else None."""
+    if block > _MAX_FWD_BLOCK:
+        return _CHUNKED_LONG
+    return _CHUNKED_RMS.get(block) if is_rms and not wide_params else None
 
 
 @functools.lru_cache(None)
@@ -557,10 +564,12 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
     wide_params = x.element_size() == 2 and weight is not None and weight.element_size() == 4
     block, rows, warps, params_first = _fwd_config(N, wide_params)
+    chunked = _fwd_chunked(block, is_rms, wide_params)
     with on_device(x):
-        if _fwd_chunked(block, is_rms, wide_params):
-            _norm_fwd_chunked_kernel[(M,)](*args, int(want_stats), **flags, BLOCK_N=_CHUNK, UNROLL=_CHUNK_UNROLL,
-                                           EVEN=N % _CHUNK == 0, num_warps=_CHUNK_WARPS)
+        if chunked:
+            chunk, chunk_warps, unroll = chunked
+            _norm_fwd_chunked_kernel[(M,)](*args, int(want_stats), **flags, BLOCK_N=chunk, UNROLL=unroll,
+                                           EVEN=N % chunk == 0, num_warps=chunk_warps)
         else:
             _norm_fwd_kernel[(cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, PARAMS_FIRST=params_first,
                                                STORE_STATS=want_stats, num_warps=warps)
