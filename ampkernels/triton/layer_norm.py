@@ -45,9 +45,10 @@ _SMEM_MARGIN = 2048     # shared memory beyond the pipeline buffers (reduction s
 
 # STORE_STATS=False (inference) compiles a variant without the mean/rstd stores: 1-2.5% faster
 # at N <= 1024 (scripts/norm_fwd_probe.py, h200-2026-12-01-*-norm-fwd-probe.log). Its output may
-# differ from the training forward's in the last bit (it did for LayerNorm at N = 768, 1000 on
-# the H200 at 065571a). A run-time flag instead, for one kernel and the same bits, cost this
-# kernel 5-35% at N = 8192/16384 on Triton 3.6 wherever the branch went (at 466e5ad, 08f4591).
+# differ from the training forward's in the last bit (it did for LayerNorm at non-power-of-two N
+# on the H200 at 065571a). A run-time flag instead, for one kernel and the same bits, cost
+# LayerNorm 12-15% at N = 8192/16384 with the branch after each reduction (466e5ad) and 34% at
+# 16384 with it after the output store (08f4591), on Triton 3.6.
 @triton.jit
 def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
                      IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
