@@ -8,7 +8,8 @@ and times, with do_bench (L2 flushed), in one process:
   triton              ampkernels' Triton backend as shipped
   reg ROWS/WARPS[/pf][/nostats]  _norm_fwd_kernel with that launch (pf: params loaded with x;
                       nostats: mean/rstd not stored, as for inference)
-  chunk BLOCK/WARPS uU  _norm_fwd_chunked_kernel, its loops unrolled U times
+  chunk BLOCK/WARPS uU  _norm_fwd_chunked_kernel, its loops unrolled U times (static: unrolled whole
+                      at compile time, CHUNKS = N / BLOCK)
 TB/s counts x read and y written, as the benchmarks do.
 
     python scripts/norm_fwd_probe.py --out DIR [--n 768 16384] [--dtype bf16]
@@ -36,7 +37,8 @@ results = open(os.path.join(args.out, "norm-fwd-probe.jsonl"), "a")
 
 def candidates(n):
     """(kind, a, b, c): reg (ROWS, warps, (params first, stats stored)) or chunk (BLOCK_N, warps,
-    (unroll, stats stored)); the register kernel up to 16384 elements, the chunked one from 8192."""
+    (unroll, stats stored), unroll 0: static); the register kernel up to 16384 elements, the
+    chunked one from 8192."""
     block = 1 << (n - 1).bit_length()
     cands = []
     if block <= 2048:
@@ -46,7 +48,8 @@ def candidates(n):
         cands += [("reg", 1, 4 if block <= 8192 else 8, (False, st)) for st in (True, False)]
     if block >= 8192:
         cands += [("chunk", b, w, (u, True)) for b, w, u in ((2048, 8, 8), (2048, 16, 8), (4096, 8, 8), (4096, 16, 8),
-                                                            (4096, 16, 4), (8192, 16, 4), (8192, 32, 2))]
+                                                            (4096, 16, 4), (2048, 16, 0), (2048, 8, 0), (4096, 16, 0))
+                  if u or n // b <= 16]
     return cands
 
 
@@ -55,17 +58,17 @@ def launcher(kind, a, b, c, x, w, bias, is_rms):
     y = torch.empty_like(x)
     mean = torch.empty(m, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    kargs = (x, x, w, x if bias is None else bias, y, x, rstd if is_rms else mean, rstd, m, n, 1e-5, int(c[-1]))
+    kargs = (x, x, w, x if bias is None else bias, y, x, rstd if is_rms else mean, rstd, m, n, 1e-5)
     flags = dict(IS_RMS=is_rms, HAS_R=False, HAS_W=True, HAS_B=bias is not None)
     block = 1 << (n - 1).bit_length()
 
     def go():  # launches, returns y
         if kind == "reg":
             tln._norm_fwd_kernel[(-(-m // a),)](*kargs, **flags, BLOCK_N=block, ROWS=a, PARAMS_FIRST=c[0],
-                                                num_warps=b)
+                                                STORE_STATS=c[1], num_warps=b)
         else:
-            tln._norm_fwd_chunked_kernel[(m,)](*kargs, **flags, BLOCK_N=a, UNROLL=c[0], EVEN=n % a == 0,
-                                               num_warps=b)
+            tln._norm_fwd_chunked_kernel[(m,)](*kargs, int(c[1]), **flags, BLOCK_N=a, UNROLL=max(c[0], 1),
+                                               EVEN=n % a == 0, CHUNKS=0 if c[0] else -(-n // a), num_warps=b)
         return y
     return go
 
@@ -129,7 +132,8 @@ for dname in args.dtype:
                 record(op, dname, n, "triton", lambda: ampkernels.layer_norm(x, (n,), w, b, backend="triton"), ref)
             for kind, a, c_w, c in candidates(n):
                 fn = launcher(kind, a, c_w, c, x, w, bias, is_rms)
-                name = f"{kind} {a}/{c_w}" + ("/pf" * c[0] if kind == "reg" else f" u{c[0]}") + "/nostats" * (not c[1])
+                variant = ("/pf" * c[0]) if kind == "reg" else f" u{c[0]}" if c[0] else " static"
+                name = f"{kind} {a}/{c_w}{variant}" + "/nostats" * (not c[1])
                 try:
                     record(op, dname, n, name, fn, ref)
                 except Exception as e:  # a launch that does not fit: say so, go on

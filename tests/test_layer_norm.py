@@ -223,11 +223,14 @@ def test_triton_interpret_residual_and_out_dtype(is_rms, residual_in_fp32):
 
 @needs_triton
 @pytest.mark.parametrize("is_rms", [False, True])
-def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
+@pytest.mark.parametrize("static", [False, True])
+def test_triton_interpret_looped_kernels(is_rms, static, monkeypatch):
     """Rows longer than the register tile: force the chunked forward and the looped backward on
-    small rows (100 = 3 chunks of 32 and a partial one; 96 = 3 whole chunks, no masks)."""
+    small rows (100 = 3 chunks of 32 and a partial one; 96 = 3 whole chunks, no masks); static:
+    the chunked forward unrolled at compile time (AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS=1)."""
     _interp()
     from ampkernels.triton import layer_norm as tln
+    monkeypatch.setattr(tln, "_static_chunks", lambda: static)
     monkeypatch.setattr(tln, "_MAX_FWD_BLOCK", 32)
     monkeypatch.setattr(tln, "_MAX_BWD_BLOCK", 32)
     monkeypatch.setattr(tln, "_MAX_BWD_RELOAD_BLOCK", 32)
@@ -413,6 +416,10 @@ def test_triton_fwd_chunked_dispatch():
         assert tln._fwd_chunked(block, True, True) is None  # fp32 params: the register kernel's table
     assert tln._fwd_chunked(4096, True, False) is None
     assert tln._fwd_chunked(8192, True, False) and tln._fwd_chunked(16384, True, False)
+    # AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS=1 (A/B): LayerNorm at 8192/16384 too, 16-bit params only
+    assert tln._fwd_chunked(8192, False, False, static=True) and tln._fwd_chunked(16384, False, False, static=True)
+    assert tln._fwd_chunked(16384, False, True, static=True) is None
+    assert tln._fwd_chunked(4096, False, False, static=True) is None
     for is_rms in (False, True):
         for wide in (False, True):
             chunk, warps, unroll = tln._fwd_chunked(32768, is_rms, wide)

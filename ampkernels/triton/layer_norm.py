@@ -107,12 +107,59 @@ def _load_chunk(ptr, m, EVEN: tl.constexpr, POLICY: tl.constexpr):
     return tl.load(ptr, mask=m, other=0.0, eviction_policy=POLICY).to(tl.float32)
 
 
+@triton.jit
+def _store_chunk(ptr, value, m, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, value.to(ptr.dtype.element_ty))
+    else:
+        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _chunk_stats(X, R, RO, base, cols, N, mean, m2, k, IS_RMS: tl.constexpr, HAS_R: tl.constexpr,
+                 EVEN: tl.constexpr):
+    """One chunk into each lane's running statistics; k: the chunk's 1-based index (a lane's
+    k-th value). Masked lanes (past the row's end) keep their summary."""
+    m = cols < N
+    s = _load_chunk(X + base + cols, m, EVEN, "evict_last")
+    if HAS_R:
+        s += _load_chunk(R + base + cols, m, EVEN, "evict_last")
+        _store_chunk(RO + base + cols, s, m, EVEN)
+    if IS_RMS:
+        m2 += s * s
+    else:
+        delta = s - mean
+        new_mean = mean + delta * (1.0 / k)
+        new_m2 = m2 + delta * (s - new_mean)
+        if EVEN:
+            mean, m2 = new_mean, new_m2
+        else:
+            mean, m2 = tl.where(m, new_mean, mean), tl.where(m, new_m2, m2)
+    return mean, m2
+
+
+@triton.jit
+def _chunk_out(X, R, W, B, Y, base, cols, N, row_mean, rstd, HAS_R: tl.constexpr, HAS_W: tl.constexpr,
+               HAS_B: tl.constexpr, EVEN: tl.constexpr):
+    m = cols < N
+    s = _load_chunk(X + base + cols, m, EVEN, "evict_first")
+    if HAS_R:
+        s += _load_chunk(R + base + cols, m, EVEN, "evict_first")
+    y = (s - row_mean) * rstd
+    if HAS_W:
+        y *= _load_chunk(W + cols, m, EVEN, "evict_last")
+    if HAS_B:
+        y += _load_chunk(B + cols, m, EVEN, "evict_last")
+    _store_chunk(Y + base + cols, y, m, EVEN)
+
+
 # store_stats (0: inference) is a run-time argument: training and inference run one compiled
 # kernel, the same bits; its branch sits between the two passes, where it measured no cost.
 @triton.jit(do_not_specialize=["store_stats"])
 def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_stats,
                              IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                             BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr):
+                             BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
+                             CHUNKS: tl.constexpr):
     # Rows too long for registers: one row per program in BLOCK_N-column chunks, two passes.
     # The first reads the row for its statistics (evict_last: kept in L2), the second reads it
     # again from L2 (evict_first) to normalise it. Each lane keeps its own running statistics
@@ -120,51 +167,42 @@ def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_sta
     # chunks' loads in flight: LayerNorm's are Welford's (mean, sum of squared deviations; no
     # E[x^2] - mean^2 cancellation for rows with large means), merged across lanes once at the
     # end; RMSNorm's a sum of squares. EVEN: N is a multiple of BLOCK_N (no masks).
+    # CHUNKS > 0 (= cdiv(N, BLOCK_N)): both passes unrolled whole at compile time, as
+    # torch.compile's kernels for long rows are (their N a constant): constant reciprocals, no
+    # loop branches, every load free to issue early (for sm_90, LayerNorm at 16384 in 2048-column
+    # chunks: 744 SASS instructions against 1488 for the run-time loop; inductor's, 688).
     row = tl.program_id(0)
     base = row.to(tl.int64) * N
     cols0 = tl.arange(0, BLOCK_N)
     mean = tl.zeros((BLOCK_N,), tl.float32)
     m2 = tl.zeros((BLOCK_N,), tl.float32)
-    for start in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
-        cols = start + cols0
-        m = cols < N
-        s = _load_chunk(X + base + cols, m, EVEN, "evict_last")
-        if HAS_R:
-            s += _load_chunk(R + base + cols, m, EVEN, "evict_last")
-            tl.store(RO + base + cols, s.to(RO.dtype.element_ty), mask=m)
-        if IS_RMS:
-            m2 += s * s
-        else:  # a lane's k-th value, k = start / BLOCK_N + 1
-            delta = s - mean
-            new_mean = mean + delta * (1.0 / (start // BLOCK_N + 1))
-            new_m2 = m2 + delta * (s - new_mean)
-            if EVEN:
-                mean, m2 = new_mean, new_m2
-            else:  # lanes past the row's end keep their summary
-                mean, m2 = tl.where(m, new_mean, mean), tl.where(m, new_m2, m2)
+    if CHUNKS > 0:
+        for i in tl.static_range(CHUNKS):
+            mean, m2 = _chunk_stats(X, R, RO, base, i * BLOCK_N + cols0, N, mean, m2, i + 1, IS_RMS, HAS_R, EVEN)
+    else:
+        for start in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
+            mean, m2 = _chunk_stats(X, R, RO, base, start + cols0, N, mean, m2, start // BLOCK_N + 1, IS_RMS, HAS_R,
+                                    EVEN)
     if IS_RMS:
         row_mean = 0.0
         row_m2 = tl.sum(m2, axis=0)
     else:
-        count = (N // BLOCK_N + (cols0 < N % BLOCK_N)).to(tl.float32)  # values each lane summarised
+        if CHUNKS > 0 and EVEN:  # every lane summarised CHUNKS values: the merge weights fold to constants
+            count = tl.full((BLOCK_N,), CHUNKS, tl.float32)
+        else:  # values each lane summarised
+            count = (N // BLOCK_N + (cols0 < N % BLOCK_N)).to(tl.float32)
         row_mean, row_m2, _ = tl.reduce((mean, m2, count), 0, _welford_combine)
     rstd = 1.0 / tl.sqrt(row_m2 / N + eps)
     if store_stats:
         if not IS_RMS:
             tl.store(MEAN + row, row_mean)
         tl.store(RSTD + row, rstd)
-    for start in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
-        cols = start + cols0
-        m = cols < N
-        s = _load_chunk(X + base + cols, m, EVEN, "evict_first")
-        if HAS_R:
-            s += _load_chunk(R + base + cols, m, EVEN, "evict_first")
-        y = (s - row_mean) * rstd
-        if HAS_W:
-            y *= _load_chunk(W + cols, m, EVEN, "evict_last")
-        if HAS_B:
-            y += _load_chunk(B + cols, m, EVEN, "evict_last")
-        tl.store(Y + base + cols, y.to(Y.dtype.element_ty), mask=m)
+    if CHUNKS > 0:
+        for i in tl.static_range(CHUNKS):
+            _chunk_out(X, R, W, B, Y, base, i * BLOCK_N + cols0, N, row_mean, rstd, HAS_R, HAS_W, HAS_B, EVEN)
+    else:
+        for start in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
+            _chunk_out(X, R, W, B, Y, base, start + cols0, N, row_mean, rstd, HAS_R, HAS_W, HAS_B, EVEN)
 
 
 @triton.jit
@@ -454,13 +492,31 @@ _FWD_WIDE_PARAMS = {2048: (4, 8, False), 4096: (2, 8, False), 8192: (1, 8, True)
 # (tl.range num_stages = 3), it ran 10-30% slower.
 _CHUNKED_LONG = (4096, 16, 8)
 _CHUNKED_RMS = {8192: (4096, 16, 4), 16384: (4096, 16, 8)}
+# AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS=1, for A/B runs (scripts/norm_ab.py --backend triton,
+# scripts/norm_fwd_probe.py): the chunked kernel with its passes unrolled at compile time (CHUNKS,
+# up to _MAX_STATIC_CHUNKS chunks), and LayerNorm at 8192/16384 with 16-bit params on it, in the
+# launch torch.compile picks for its own two-pass kernel there (2048 columns, 16 warps; that
+# kernel ran 3.97-3.99 TB/s at 16384 in the probe runs, ours 3.76). Not yet timed: written after
+# this session's GPU time was spent, compiled for sm_90 (768 SASS instructions and 32 registers
+# at 16384, against 688 and 32 for torch.compile's kernel) and tested on the CPU only.
+_STATIC_CHUNKS_ENV = "AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS"
+_MAX_STATIC_CHUNKS = 16
+_CHUNKED_LN_STATIC = {8192: (2048, 16, 1), 16384: (2048, 16, 1)}
 
 
-def _fwd_chunked(block, is_rms, wide_params):
-    """(chunk columns, warps, unroll) when the chunked kernel runs rows of this BLOCK_N, else None."""
+@functools.lru_cache(None)
+def _static_chunks():
+    return os.environ.get(_STATIC_CHUNKS_ENV, "0") == "1"
+
+
+def _fwd_chunked(block, is_rms, wide_params, static=False):
+    """(chunk columns, warps, unroll) when the chunked kernel runs rows of this BLOCK_N, else None;
+    static: the AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS choice."""
     if block > _MAX_FWD_BLOCK:
         return _CHUNKED_LONG
-    return _CHUNKED_RMS.get(block) if is_rms and not wide_params else None
+    if wide_params:
+        return None
+    return _CHUNKED_RMS.get(block) if is_rms else _CHUNKED_LN_STATIC.get(block) if static else None
 
 
 @functools.lru_cache(None)
@@ -565,12 +621,14 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
     wide_params = x.element_size() == 2 and weight is not None and weight.element_size() == 4
     block, rows, warps, params_first = _fwd_config(N, wide_params)
-    chunked = _fwd_chunked(block, is_rms, wide_params)
+    static = _static_chunks()
+    chunked = _fwd_chunked(block, is_rms, wide_params, static)
     with on_device(x):
         if chunked:
             chunk, chunk_warps, unroll = chunked
+            chunks = cdiv(N, chunk) if static and cdiv(N, chunk) <= _MAX_STATIC_CHUNKS else 0
             _norm_fwd_chunked_kernel[(M,)](*args, int(want_stats), **flags, BLOCK_N=chunk, UNROLL=unroll,
-                                           EVEN=N % chunk == 0, num_warps=chunk_warps)
+                                           EVEN=N % chunk == 0, CHUNKS=chunks, num_warps=chunk_warps)
         else:
             _norm_fwd_kernel[(cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, PARAMS_FIRST=params_first,
                                                STORE_STATS=want_stats, num_warps=warps)
