@@ -170,7 +170,8 @@ def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_sta
     # CHUNKS > 0 (= cdiv(N, BLOCK_N)): both passes unrolled whole at compile time, as
     # torch.compile's kernels for long rows are (their N a constant): constant reciprocals, no
     # loop branches, every load free to issue early (for sm_90, LayerNorm at 16384 in 2048-column
-    # chunks: 744 SASS instructions against 1488 for the run-time loop; inductor's, 688).
+    # chunks: 768 SASS instructions and 32 registers, against 1488 and 40 for the run-time loop
+    # and 688 and 32 for inductor's kernel).
     row = tl.program_id(0)
     base = row.to(tl.int64) * N
     cols0 = tl.arange(0, BLOCK_N)
