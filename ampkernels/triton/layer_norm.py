@@ -627,7 +627,8 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     with on_device(x):
         if chunked:
             chunk, chunk_warps, unroll = chunked
-            chunks = cdiv(N, chunk) if static and cdiv(N, chunk) <= _MAX_STATIC_CHUNKS else 0
+            chunks = cdiv(N, chunk)
+            chunks = chunks if static and chunks <= _MAX_STATIC_CHUNKS else 0  # 0: the run-time loop
             _norm_fwd_chunked_kernel[(M,)](*args, int(want_stats), **flags, BLOCK_N=chunk, UNROLL=unroll,
                                            EVEN=N % chunk == 0, CHUNKS=chunks, num_warps=chunk_warps)
         else:
