@@ -7,7 +7,7 @@ the benchmarks count bytes, at the benchmark's N (M = 2^27 / N rows). For exampl
     python scripts/norm_ab.py --pass fwd --params fp32 --backend triton
     python scripts/norm_ab.py --pass fwd --residual                            # x + residual, normalised
     AMPKERNELS_TRITON_NORM_BWD_STAGES=1 python scripts/norm_ab.py --pass bwd --backend triton
-    AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS=1 python scripts/norm_ab.py --pass fwd --backend triton --n 8192 16384 65536
+    python scripts/norm_ab.py --pass fwd --backend triton --n 8192 16384 32768 65536
 
 Each line is labelled with the AMPKERNELS_* variables that were set.
 """

@@ -8,8 +8,8 @@ and times, with do_bench (L2 flushed), in one process:
   triton              ampkernels' Triton backend as shipped
   reg ROWS/WARPS[/pf][/nostats]  _norm_fwd_kernel with that launch (pf: params loaded with x;
                       nostats: mean/rstd not stored, as for inference)
-  chunk BLOCK/WARPS uU  _norm_fwd_chunked_kernel, its loops unrolled U times (static: unrolled whole
-                      at compile time, CHUNKS = N / BLOCK)
+  chunk BLOCK/WARPS uU  _norm_fwd_chunked_kernel (N a compile-time constant), its loops unrolled U
+                      times by Triton (u1: left to the compiler)
 TB/s counts x read and y written, as the benchmarks do.
 
     python scripts/norm_fwd_probe.py --out DIR [--n 768 16384] [--dtype bf16]
@@ -37,7 +37,7 @@ results = open(os.path.join(args.out, "norm-fwd-probe.jsonl"), "a")
 
 def candidates(n):
     """(kind, a, b, c): reg (ROWS, warps, (params first, stats stored)) or chunk (BLOCK_N, warps,
-    (unroll, stats stored), unroll 0: static); the register kernel up to 16384 elements, the
+    (unroll, stats stored)); the register kernel up to 16384 elements, the
     chunked one from 8192."""
     block = 1 << (n - 1).bit_length()
     cands = []
@@ -48,8 +48,7 @@ def candidates(n):
         cands += [("reg", 1, 4 if block <= 8192 else 8, (False, st)) for st in (True, False)]
     if block >= 8192:
         cands += [("chunk", b, w, (u, True)) for b, w, u in ((2048, 8, 8), (2048, 16, 8), (4096, 8, 8), (4096, 16, 8),
-                                                            (4096, 16, 4), (2048, 16, 0), (2048, 8, 0), (4096, 16, 0))
-                  if u or n // b <= 16]
+                                                            (4096, 16, 4), (2048, 16, 1), (2048, 8, 1), (4096, 16, 1))]
     return cands
 
 
@@ -67,8 +66,8 @@ def launcher(kind, a, b, c, x, w, bias, is_rms):
             tln._norm_fwd_kernel[(-(-m // a),)](*kargs, **flags, BLOCK_N=block, ROWS=a, PARAMS_FIRST=c[0],
                                                 STORE_STATS=c[1], num_warps=b)
         else:
-            tln._norm_fwd_chunked_kernel[(m,)](*kargs, int(c[1]), **flags, BLOCK_N=a, UNROLL=max(c[0], 1),
-                                               EVEN=n % a == 0, CHUNKS=0 if c[0] else -(-n // a), num_warps=b)
+            tln._norm_fwd_chunked_kernel[(m,)](*kargs[:-2], kargs[-1], int(c[1]), N=n, **flags, BLOCK_N=a,
+                                               UNROLL=c[0], EVEN=n % a == 0, num_warps=b)
         return y
     return go
 
@@ -132,7 +131,7 @@ for dname in args.dtype:
                 record(op, dname, n, "triton", lambda: ampkernels.layer_norm(x, (n,), w, b, backend="triton"), ref)
             for kind, a, c_w, c in candidates(n):
                 fn = launcher(kind, a, c_w, c, x, w, bias, is_rms)
-                variant = ("/pf" * c[0]) if kind == "reg" else f" u{c[0]}" if c[0] else " static"
+                variant = ("/pf" * c[0]) if kind == "reg" else f" u{c[0]}"
                 name = f"{kind} {a}/{c_w}{variant}" + "/nostats" * (not c[1])
                 try:
                     record(op, dname, n, name, fn, ref)

@@ -41,17 +41,18 @@ def _inputs(m, n, dtype, device, pdtype=None, affine=True, lead=(), mean=0.0):
     return x, w, b
 
 
-def _assert_inference_matches(inf, train, backend):
+def _assert_inference_matches(inf, train, scale, backend):
     """The inference forward against the training forward: the same kernel (bit for bit) on the
-    cuda backend and the reference; Triton's register kernel compiles an inference variant
-    without the stats stores, whose fp32 intermediates may round differently (at 065571a fp16
-    outputs differed by one unit in the last place), so there at most 4 units in the last place
-    of the output dtype apart."""
+    cuda backend and the reference. Triton's register kernel compiles an inference variant
+    without the stats stores, and ptxas contracts a different set of its mul + add pairs into
+    FMAs (N = 1536 fp32, sm_90: 41 FFMA against 25), so there the two may differ by a few units
+    in the last place of the terms added, scale (|x_hat * w| + |b|), not of the result: where
+    x_hat * w and b nearly cancel, the result is small and its own units tiny."""
     if backend != "triton":
         assert torch.equal(inf, train), "inference forward differs from the training forward"
         return
     gap = (inf.double() - train.double()).abs()
-    ulps = 4 * torch.finfo(train.dtype).eps * train.double().abs() + torch.finfo(train.dtype).tiny
+    ulps = 4 * torch.finfo(train.dtype).eps * scale + torch.finfo(train.dtype).tiny
     assert bool((gap <= ulps).all()), f"inference forward {gap.max().item():.3g} from the training forward"
 
 
@@ -82,8 +83,13 @@ def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=F
     with torch.no_grad():  # inference: no mean/rstd stored
         res_inf = _norm(is_rms, xx, n, ww, bb, eps, residual=rr, residual_in_fp32=residual_in_fp32,
                         out_dtype=out_dtype, backend=backend)
-    for a, c in zip(res_inf if residual is not None else [res_inf], res if residual is not None else [res]):
-        _assert_inference_matches(a, c.detach(), backend)
+    # the magnitude of the terms each output adds: |x_hat * w| + |b| for the normalised output
+    scales = [out64.detach().abs() if b6 is None else (out64 - b6).detach().abs() + b6.detach().abs()]
+    if residual is not None:
+        scales.append(ref[1].detach().abs())
+    for a, c, scale in zip(res_inf if residual is not None else [res_inf], res if residual is not None else [res],
+                           scales):
+        _assert_inference_matches(a, c.detach(), scale, backend)
     what = f"{backend} {'rms' if is_rms else 'ln'} {x.dtype} n={n}"
     tol_dtype = x.dtype if out_dtype is None or out_dtype == torch.float32 else out_dtype
     assert_rel_close(out, out64, tol_dtype, factor=factor, what=f"{what} out")
@@ -223,14 +229,11 @@ def test_triton_interpret_residual_and_out_dtype(is_rms, residual_in_fp32):
 
 @needs_triton
 @pytest.mark.parametrize("is_rms", [False, True])
-@pytest.mark.parametrize("static", [False, True])
-def test_triton_interpret_looped_kernels(is_rms, static, monkeypatch):
+def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
     """Rows longer than the register tile: force the chunked forward and the looped backward on
-    small rows (100 = 3 chunks of 32 and a partial one; 96 = 3 whole chunks, no masks); static:
-    the chunked forward unrolled at compile time (AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS=1)."""
+    small rows (100 = 3 chunks of 32 and a partial one; 96 = 3 whole chunks, no masks)."""
     _interp()
     from ampkernels.triton import layer_norm as tln
-    monkeypatch.setattr(tln, "_static_chunks", lambda: static)
     monkeypatch.setattr(tln, "_MAX_FWD_BLOCK", 32)
     monkeypatch.setattr(tln, "_MAX_BWD_BLOCK", 32)
     monkeypatch.setattr(tln, "_MAX_BWD_RELOAD_BLOCK", 32)
@@ -407,19 +410,19 @@ def test_triton_fwd_config_for_every_row_length_and_params_dtype():
 
 
 def test_triton_fwd_chunked_dispatch():
-    """Which rows the chunked forward takes: all past the register kernel; RMSNorm's of 8192 and
-    16384 elements with params in x's dtype; never LayerNorm's up to 16384."""
+    """Which rows the chunked forward takes: all past the register kernel; with params in x's
+    dtype, RMSNorm's of 8192 and 16384 elements and LayerNorm's of 16384; never with fp32 params
+    up to 16384."""
     pytest.importorskip("triton")
     from ampkernels.triton import layer_norm as tln
     for block in (1024, 8192, 16384):
-        assert tln._fwd_chunked(block, False, False) is None
         assert tln._fwd_chunked(block, True, True) is None  # fp32 params: the register kernel's table
+        assert tln._fwd_chunked(block, False, True) is None
+    for block in (1024, 4096, 8192):
+        assert tln._fwd_chunked(block, False, False) is None
     assert tln._fwd_chunked(4096, True, False) is None
     assert tln._fwd_chunked(8192, True, False) and tln._fwd_chunked(16384, True, False)
-    # AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS=1 (A/B): LayerNorm at 8192/16384 too, 16-bit params only
-    assert tln._fwd_chunked(8192, False, False, static=True) and tln._fwd_chunked(16384, False, False, static=True)
-    assert tln._fwd_chunked(16384, False, True, static=True) is None
-    assert tln._fwd_chunked(4096, False, False, static=True) is None
+    assert tln._fwd_chunked(16384, False, False)
     for is_rms in (False, True):
         for wide in (False, True):
             chunk, warps, unroll = tln._fwd_chunked(32768, is_rms, wide)
@@ -669,7 +672,7 @@ def test_extension_cpu_tensor_is_a_clear_error():
 # ---------------------------------------------------------------- GPU tier
 
 GPU_BACKENDS = ["cuda", "triton", "torch"]
-NS = [1, 7, 768, 1000, 1024, 1536, 2048, 4096, 8192, 12288, 16384, 65536]
+NS = [1, 7, 768, 1000, 1024, 1536, 2048, 4096, 8192, 10000, 12288, 16384, 65536]  # 10000: a partial chunk
 DTYPE_COMBOS = [(torch.float16, torch.float16), (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16),
                 (torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
 

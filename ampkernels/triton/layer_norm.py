@@ -9,7 +9,8 @@ torch.ops.ampkernels.norm_{fwd,bwd}_cuda ops (ampkernels/ops/layer_norm.py calls
   mean (LayerNorm) and rstd saved in fp32.
 - Forward: a program owns ROWS whole rows held in registers (BLOCK_N = next_power_of_2(N)
   up to _MAX_FWD_BLOCK); longer rows take the chunked kernel (one row per program, two passes
-  over column chunks, the second reading the row from L2).
+  over column chunks, the second reading the row from L2; N a compile-time constant), as do,
+  with 16-bit params, RMSNorm's rows of 8192-16384 elements and LayerNorm's of 16384.
 - Backward: a fixed grid of programs, each owning a contiguous chunk of rows, loops over it
   ROWS rows at a time, software-pipelined (tl.range num_stages: the next steps' x/dy loads are
   in flight as async copies into shared memory while this step is reduced); dx in dx_dtype;
@@ -155,11 +156,16 @@ def _chunk_out(X, R, W, B, Y, base, cols, N, row_mean, rstd, HAS_R: tl.constexpr
 
 # store_stats (0: inference) is a run-time argument: training and inference run one compiled
 # kernel, the same bits; its branch sits between the two passes, where it measured no cost.
+# N is a compile-time constant (one compile per row length, as torch.compile's own kernels for
+# long rows): the loops have constant trip counts (unrolled by the compiler), the chunk
+# offsets and 1 / k are constants. LayerNorm at 16384 in 4096-column chunks, 16 warps (H200,
+# benchmarks/results/h200-2026-12-01-0e8db67-ln-fwd-const-n.log): 3.97 (bf16) / 4.02 (fp16) TB/s
+# with N constant against 2.35 / 2.58 with N a run-time argument; at 8192 (2048/8) 3.96 / 3.93
+# against 2.45 / 2.71.
 @triton.jit(do_not_specialize=["store_stats"])
-def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_stats,
+def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, eps, store_stats, N: tl.constexpr,
                              IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                             BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
-                             CHUNKS: tl.constexpr):
+                             BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr):
     # Rows too long for registers: one row per program in BLOCK_N-column chunks, two passes.
     # The first reads the row for its statistics (evict_last: kept in L2), the second reads it
     # again from L2 (evict_first) to normalise it. Each lane keeps its own running statistics
@@ -167,43 +173,26 @@ def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps, store_sta
     # chunks' loads in flight: LayerNorm's are Welford's (mean, sum of squared deviations; no
     # E[x^2] - mean^2 cancellation for rows with large means), merged across lanes once at the
     # end; RMSNorm's a sum of squares. EVEN: N is a multiple of BLOCK_N (no masks).
-    # CHUNKS > 0 (= cdiv(N, BLOCK_N)): both passes unrolled whole at compile time, as
-    # torch.compile's kernels for long rows are (their N a constant): constant reciprocals, no
-    # loop branches, every load free to issue early (for sm_90, LayerNorm at 16384 in 2048-column
-    # chunks: 768 SASS instructions and 32 registers, against 1488 and 40 for the run-time loop
-    # and 688 and 32 for inductor's kernel).
     row = tl.program_id(0)
     base = row.to(tl.int64) * N
     cols0 = tl.arange(0, BLOCK_N)
     mean = tl.zeros((BLOCK_N,), tl.float32)
     m2 = tl.zeros((BLOCK_N,), tl.float32)
-    if CHUNKS > 0:
-        for i in tl.static_range(CHUNKS):
-            mean, m2 = _chunk_stats(X, R, RO, base, i * BLOCK_N + cols0, N, mean, m2, i + 1, IS_RMS, HAS_R, EVEN)
-    else:
-        for start in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
-            mean, m2 = _chunk_stats(X, R, RO, base, start + cols0, N, mean, m2, start // BLOCK_N + 1, IS_RMS, HAS_R,
-                                    EVEN)
+    for start in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
+        mean, m2 = _chunk_stats(X, R, RO, base, start + cols0, N, mean, m2, start // BLOCK_N + 1, IS_RMS, HAS_R, EVEN)
     if IS_RMS:
         row_mean = 0.0
         row_m2 = tl.sum(m2, axis=0)
     else:
-        if CHUNKS > 0 and EVEN:  # every lane summarised CHUNKS values: the merge weights fold to constants
-            count = tl.full((BLOCK_N,), CHUNKS, tl.float32)
-        else:  # values each lane summarised
-            count = (N // BLOCK_N + (cols0 < N % BLOCK_N)).to(tl.float32)
+        count = (N // BLOCK_N + (cols0 < N % BLOCK_N)).to(tl.float32)  # values each lane summarised
         row_mean, row_m2, _ = tl.reduce((mean, m2, count), 0, _welford_combine)
     rstd = 1.0 / tl.sqrt(row_m2 / N + eps)
     if store_stats:
         if not IS_RMS:
             tl.store(MEAN + row, row_mean)
         tl.store(RSTD + row, rstd)
-    if CHUNKS > 0:
-        for i in tl.static_range(CHUNKS):
-            _chunk_out(X, R, W, B, Y, base, i * BLOCK_N + cols0, N, row_mean, rstd, HAS_R, HAS_W, HAS_B, EVEN)
-    else:
-        for start in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
-            _chunk_out(X, R, W, B, Y, base, start + cols0, N, row_mean, rstd, HAS_R, HAS_W, HAS_B, EVEN)
+    for start in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
+        _chunk_out(X, R, W, B, Y, base, start + cols0, N, row_mean, rstd, HAS_R, HAS_W, HAS_B, EVEN)
 
 
 @triton.jit
@@ -480,44 +469,31 @@ _FWD = {1024: (2, 2, False), 2048: (1, 4, False), 4096: (1, 4, True), 8192: (1, 
 _FWD_WIDE_PARAMS = {2048: (4, 8, False), 4096: (2, 8, False), 8192: (1, 8, True), 16384: (2, 32, False)}
 
 
-# The chunked two-pass kernel takes rows past the register kernel, and RMSNorm's of 8192 and
-# 16384 elements with 16-bit params: (chunk columns, warps, unroll) below. Measured with
-# scripts/norm_fwd_probe.py (bf16, H200; benchmarks/results/h200-2026-12-01-*-norm-fwd-probe.log):
+# The chunked two-pass kernel takes rows past the register kernel, and, with 16-bit params,
+# RMSNorm's of 8192 and 16384 elements and LayerNorm's of 16384: (chunk columns, warps, unroll)
+# below. Measured with scripts/norm_fwd_probe.py (H200; benchmarks/results/h200-2026-12-01-*),
+# N then a run-time argument:
 # - N = 32768 / 65536, 4096/16/8: LayerNorm 3.16-3.40 / 2.70-2.72 TB/s against 2.55 / 1.98 for
 #   the three-pass looped kernel it replaced; RMSNorm 3.85-3.89 / 2.65-2.81 against 3.48 / 2.59.
 # - RMSNorm at 16384, 4096/16/8: 4.07-4.12 against 3.98-4.01 for the register kernel; at 8192,
 #   4096/16/4: 4.09-4.10 against 3.94-3.99 (4096/16/8 there: 3.80-3.82).
-# - LayerNorm at 8192 and 16384 stays on the register kernel (3.94-3.99, 3.76): the chunked one
-#   ran 2.0-3.5 there, its Welford chain leaving fewer loads in flight.
+# - LayerNorm ran 2.0-3.5 there, its Welford chain leaving fewer loads in flight, until N became
+#   a constant (see the kernel): at 16384 then 3.97 / 4.02 against 3.74 / 3.81 for the register
+#   kernel; at 8192 no faster (3.93-3.96 both), so it stays on the register kernel there.
 # Without unrolling (one chunk's loads in flight a thread), or pipelined through shared memory
-# (tl.range num_stages = 3), it ran 10-30% slower.
+# (tl.range num_stages = 3), the run-time-N kernel ran 10-30% slower.
 _CHUNKED_LONG = (4096, 16, 8)
 _CHUNKED_RMS = {8192: (4096, 16, 4), 16384: (4096, 16, 8)}
-# AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS=1, for A/B runs (scripts/norm_ab.py --backend triton,
-# scripts/norm_fwd_probe.py): the chunked kernel with its passes unrolled at compile time (CHUNKS,
-# up to _MAX_STATIC_CHUNKS chunks), and LayerNorm at 8192/16384 with 16-bit params on it, in the
-# launch torch.compile picks for its own two-pass kernel there (2048 columns, 16 warps; that
-# kernel ran 3.97-3.99 TB/s at 16384 in the probe runs, ours 3.76). Not yet timed: written after
-# this session's GPU time was spent, compiled for sm_90 (768 SASS instructions and 32 registers
-# at 16384, against 688 and 32 for torch.compile's kernel) and tested on the CPU only.
-_STATIC_CHUNKS_ENV = "AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS"
-_MAX_STATIC_CHUNKS = 16
-_CHUNKED_LN_STATIC = {8192: (2048, 16, 1), 16384: (2048, 16, 1)}
+_CHUNKED_LN = {16384: (4096, 16, 1)}
 
 
-@functools.lru_cache(None)
-def _static_chunks():
-    return os.environ.get(_STATIC_CHUNKS_ENV, "0") == "1"
-
-
-def _fwd_chunked(block, is_rms, wide_params, static=False):
-    """(chunk columns, warps, unroll) when the chunked kernel runs rows of this BLOCK_N, else None;
-    static: the AMPKERNELS_TRITON_NORM_FWD_STATIC_CHUNKS choice."""
+def _fwd_chunked(block, is_rms, wide_params):
+    """(chunk columns, warps, unroll) when the chunked kernel runs rows of this BLOCK_N, else None."""
     if block > _MAX_FWD_BLOCK:
         return _CHUNKED_LONG
     if wide_params:
         return None
-    return _CHUNKED_RMS.get(block) if is_rms else _CHUNKED_LN_STATIC.get(block) if static else None
+    return (_CHUNKED_RMS if is_rms else _CHUNKED_LN).get(block)
 
 
 @functools.lru_cache(None)
@@ -622,15 +598,12 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
     wide_params = x.element_size() == 2 and weight is not None and weight.element_size() == 4
     block, rows, warps, params_first = _fwd_config(N, wide_params)
-    static = _static_chunks()
-    chunked = _fwd_chunked(block, is_rms, wide_params, static)
+    chunked = _fwd_chunked(block, is_rms, wide_params)
     with on_device(x):
         if chunked:
             chunk, chunk_warps, unroll = chunked
-            chunks = cdiv(N, chunk)
-            chunks = chunks if static and chunks <= _MAX_STATIC_CHUNKS else 0  # 0: the run-time loop
-            _norm_fwd_chunked_kernel[(M,)](*args, int(want_stats), **flags, BLOCK_N=chunk, UNROLL=unroll,
-                                           EVEN=N % chunk == 0, CHUNKS=chunks, num_warps=chunk_warps)
+            _norm_fwd_chunked_kernel[(M,)](*args[:-2], eps, int(want_stats), N=N, **flags, BLOCK_N=chunk,
+                                           UNROLL=unroll, EVEN=N % chunk == 0, num_warps=chunk_warps)
         else:
             _norm_fwd_kernel[(cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, PARAMS_FIRST=params_first,
                                                STORE_STATS=want_stats, num_warps=warps)
