@@ -45,15 +45,19 @@ def _assert_inference_matches(inf, train, scale, backend):
     """The inference forward against the training forward: the same kernel (bit for bit) on the
     cuda backend and the reference. Triton's register kernel compiles an inference variant
     without the stats stores, and ptxas contracts a different set of its mul + add pairs into
-    FMAs (N = 1536 fp32, sm_90: 41 FFMA against 25), so there the two may differ by a few units
-    in the last place of the terms added, scale (|x_hat * w| + |b|), not of the result: where
-    x_hat * w and b nearly cancel, the result is small and its own units tiny."""
+    FMAs (N = 1536 fp32, sm_90: 41 FFMA against 25). So there the terms of the sums of squares
+    round differently (rstd may differ by a few fp32 units in the last place, up to about
+    log2 N), as do x_hat * w + b, whose units are those of the terms added, scale
+    (|x_hat * w| + |b|), not of the result, which is tiny where they cancel. Allowed: 4 units of
+    the output dtype and 16 of fp32, of scale (at 0e8db67 and 8adf50d fp32
+    outputs differed by 4 units at N = 1000)."""
     if backend != "triton":
         assert torch.equal(inf, train), "inference forward differs from the training forward"
         return
     gap = (inf.double() - train.double()).abs()
-    ulps = 4 * torch.finfo(train.dtype).eps * scale + torch.finfo(train.dtype).tiny
-    assert bool((gap <= ulps).all()), f"inference forward {gap.max().item():.3g} from the training forward"
+    ulps = (4 * torch.finfo(train.dtype).eps + 16 * torch.finfo(torch.float32).eps) * scale
+    assert bool((gap <= ulps + torch.finfo(train.dtype).tiny).all()), \
+        f"inference forward {gap.max().item():.3g} from the training forward"
 
 
 def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=False, out_dtype=None, factor=1.0,

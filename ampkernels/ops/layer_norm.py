@@ -176,10 +176,11 @@ def _preference(x, n, pas="fwd", param_dtype=None):
     Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
     the forward on one and the backward on the other. The order comes from the H200 norm
     benchmark (benchmarks/bench_layer_norm.py; fp16 and bf16, M*N = 2^27, N = 768..16384), last at
-    065571a (benchmarks/results/h200-2026-12-01-065571a-norms.jsonl; the runs at 51fa175, 4ce559d,
-    7672746, 9692629 and 58695ad gave the same order):
-    - forward, params in x's dtype: Triton, 3.75-4.11 TB/s against CUDA's 3.76-4.09. CUDA is
-      ahead at LayerNorm N = 16384 only (fp16 by 3%, bf16 by 0.3%);
+    8adf50d (benchmarks/results/h200-2026-12-01-8adf50d-norms.jsonl; the runs at 065571a, 51fa175,
+    4ce559d, 7672746, 9692629 and 58695ad gave the same order):
+    - forward, params in x's dtype: Triton, 3.98-4.18 TB/s against CUDA's 3.78-4.09, ahead at
+      every N (LayerNorm at 16384 since 8adf50d: 3.99-4.01 against 3.78-3.92) but one row of
+      that run (LayerNorm bf16 2048: 3.35, against 4.08 at 065571a and 0e8db67);
     - forward of 16-bit x with fp32 params (the AMP case): CUDA. LayerNorm 3.39-4.07 against
       Triton's 2.27-3.94, ahead at every N; RMSNorm 3.82-4.05 against 3.45-4.11 (Triton ahead by
       under 1.5% at N <= 4096, CUDA by 3-10% at 8192 and 16384);

@@ -471,15 +471,16 @@ _FWD_WIDE_PARAMS = {2048: (4, 8, False), 4096: (2, 8, False), 8192: (1, 8, True)
 
 # The chunked two-pass kernel takes rows past the register kernel, and, with 16-bit params,
 # RMSNorm's of 8192 and 16384 elements and LayerNorm's of 16384: (chunk columns, warps, unroll)
-# below. Measured with scripts/norm_fwd_probe.py (H200; benchmarks/results/h200-2026-12-01-*),
-# N then a run-time argument:
-# - N = 32768 / 65536, 4096/16/8: LayerNorm 3.16-3.40 / 2.70-2.72 TB/s against 2.55 / 1.98 for
-#   the three-pass looped kernel it replaced; RMSNorm 3.85-3.89 / 2.65-2.81 against 3.48 / 2.59.
-# - RMSNorm at 16384, 4096/16/8: 4.07-4.12 against 3.98-4.01 for the register kernel; at 8192,
-#   4096/16/4: 4.09-4.10 against 3.94-3.99 (4096/16/8 there: 3.80-3.82).
-# - LayerNorm ran 2.0-3.5 there, its Welford chain leaving fewer loads in flight, until N became
-#   a constant (see the kernel): at 16384 then 3.97 / 4.02 against 3.74 / 3.81 for the register
-#   kernel; at 8192 no faster (3.93-3.96 both), so it stays on the register kernel there.
+# below, chosen with scripts/norm_fwd_probe.py (H200; benchmarks/results/h200-2026-12-01-*) when
+# N was a run-time argument, and timed again with N a constant at 8adf50d
+# (-8adf50d-norm-fwd-long-ab.log, -8adf50d-norms.jsonl), bf16 / fp16:
+# - N = 32768 / 65536, 4096/16/8: LayerNorm 3.42-3.47 / 2.61-2.63 TB/s (2.55 / 1.98 for the
+#   three-pass looped kernel it replaced); RMSNorm 3.90-3.94 / 3.22-3.31 (3.48 / 2.59; 3.57 /
+#   2.78 with N at run time).
+# - RMSNorm at 16384, 4096/16/8: 4.05-4.07 (3.98-4.01 for the register kernel); at 8192,
+#   4096/16/4: 4.16-4.18 (register kernel 3.94-3.99; 4096/16/8 there ran 3.80-3.82).
+# - LayerNorm at 16384, 4096/16 left to the compiler to unroll: 3.99-4.01 (register kernel
+#   3.74-3.81). At 8192 no faster than the register kernel (3.93-3.96 both), which keeps it.
 # Without unrolling (one chunk's loads in flight a thread), or pipelined through shared memory
 # (tl.range num_stages = 3), the run-time-N kernel ran 10-30% slower.
 _CHUNKED_LONG = (4096, 16, 8)
