@@ -1,7 +1,7 @@
 """Norm forward probe: torch.compile's own kernels beside ours and candidate Triton launches.
 
 For each N (M = 2^27 / N rows) and op (LayerNorm with weight and bias, RMSNorm with weight),
-in x's dtype: saves the Triton source torch.compile generates (appended to
+params in x's dtype (or fp32 with --params fp32, the AMP case; no torch.compile row then): saves the Triton source torch.compile generates (appended to
 OUT/inductor-sources.py), prints the launch config its autotuner picked,
 and times, with do_bench (L2 flushed), in one process:
   compile             torch.compile of F.layer_norm / F.rms_norm (fresh per shape)
@@ -12,7 +12,7 @@ and times, with do_bench (L2 flushed), in one process:
                       times by Triton (u1: left to the compiler)
 TB/s counts x read and y written, as the benchmarks do.
 
-    python scripts/norm_fwd_probe.py --out DIR [--n 768 16384] [--dtype bf16]
+    python scripts/norm_fwd_probe.py --out DIR [--n 768 16384] [--dtype bf16] [--params fp32]
 """
 import argparse
 import json
@@ -30,18 +30,23 @@ parser.add_argument("--out", default=os.environ.get("OUT", "."))
 parser.add_argument("--n", type=int, nargs="+", default=[768, 1024, 8192, 16384, 32768])
 parser.add_argument("--dtype", choices=("bf16", "fp16"), nargs="+", default=["bf16"])
 parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its source and time)")
+parser.add_argument("--params", choices=("x", "fp32"), default="x", help="weight/bias dtype: x's, or fp32 (AMP)")
 args = parser.parse_args()
 os.makedirs(args.out, exist_ok=True)
 results = open(os.path.join(args.out, "norm-fwd-probe.jsonl"), "a")
 
 
-def candidates(n):
+def candidates(n, wide):
     """(kind, a, b, c): reg (ROWS, warps, (params first, stats stored)) or chunk (BLOCK_N, warps,
-    (unroll, stats stored)); the register kernel up to 16384 elements, the
-    chunked one from 8192."""
+    (unroll, stats stored)); the register kernel up to 16384 elements, the chunked one from 8192
+    (with 32 warps too past 16384: fewer rows in flight, so more of each row is still in L2 for
+    the second pass). wide: fp32 params with 16-bit x."""
     block = 1 << (n - 1).bit_length()
     cands = []
-    if block <= 2048:
+    if wide and block <= 16384:
+        cands += [("reg", r, w, (False, True)) for r, w in ((1, 4), (1, 8), (2, 8), (1, 16), (2, 16))
+                  if 32 * w <= block * r]
+    elif block <= 2048:
         cands += [("reg", r, w, (pf, st)) for r, w, pf in ((2, 2, False), (1, 1, True), (2, 2, True))
                   for st in (True, False)]
     elif block <= 16384:
@@ -49,6 +54,8 @@ def candidates(n):
     if block >= 8192:
         cands += [("chunk", b, w, (u, True)) for b, w, u in ((2048, 8, 8), (2048, 16, 8), (4096, 8, 8), (4096, 16, 8),
                                                             (4096, 16, 4), (2048, 16, 1), (2048, 8, 1), (4096, 16, 1))]
+    if block > 16384:
+        cands += [("chunk", b, 32, (u, True)) for b, u in ((4096, 8), (8192, 4), (8192, 2))]
     return cands
 
 
@@ -100,11 +107,13 @@ def record(op, dtype, n, name, fn, ref):
 
 for dname in args.dtype:
     dtype = torch.bfloat16 if dname == "bf16" else torch.float16
+    dname += "/fp32p" if args.params == "fp32" else ""  # the label of every row
     for n in args.n:
         m = 2**27 // n
         x = torch.randn(m, n, device="cuda", dtype=dtype)
-        w = torch.rand(n, device="cuda", dtype=dtype)
-        b = torch.randn(n, device="cuda", dtype=dtype)
+        pdtype = torch.float32 if args.params == "fp32" else dtype
+        w = torch.rand(n, device="cuda", dtype=pdtype)
+        b = torch.randn(n, device="cuda", dtype=pdtype)
         for op in ("layer_norm", "rms_norm"):
             is_rms = op == "rms_norm"
             bias = None if is_rms else b
@@ -115,7 +124,7 @@ for dname in args.dtype:
                 def eager(x, w, b):
                     return F.layer_norm(x, (n,), w, b, eps=1e-5)
             ref = eager(x.float(), w.float(), b.float())
-            if not args.no_compile and n <= 16384:
+            if not args.no_compile and n <= 16384 and args.params == "x":  # (F.layer_norm takes one dtype)
                 torch._dynamo.reset()
                 __import__("gc").collect()  # earlier shapes' kernels: inductor_configs() lists the live ones
                 compiled = torch.compile(eager)
@@ -129,7 +138,7 @@ for dname in args.dtype:
                 record(op, dname, n, "triton", lambda: ampkernels.rms_norm(x, (n,), w, backend="triton"), ref)
             else:
                 record(op, dname, n, "triton", lambda: ampkernels.layer_norm(x, (n,), w, b, backend="triton"), ref)
-            for kind, a, c_w, c in candidates(n):
+            for kind, a, c_w, c in candidates(n, args.params == "fp32"):
                 fn = launcher(kind, a, c_w, c, x, w, bias, is_rms)
                 variant = ("/pf" * c[0]) if kind == "reg" else f" u{c[0]}"
                 name = f"{kind} {a}/{c_w}{variant}" + "/nostats" * (not c[1])
