@@ -1,9 +1,9 @@
 """Norm forward probe: torch.compile's own kernels beside ours and candidate Triton launches.
 
 For each N (M = 2^27 / N rows) and op (LayerNorm with weight and bias, RMSNorm with weight),
-params in x's dtype (or fp32 with --params fp32, the AMP case; no torch.compile row then): saves the Triton source torch.compile generates (appended to
-OUT/inductor-sources.py), prints the launch config its autotuner picked,
-and times, with do_bench (L2 flushed), in one process:
+params in x's dtype (or fp32 with --params fp32, the AMP case; no torch.compile row then):
+saves the Triton source torch.compile generates (appended to OUT/inductor-sources.py), prints
+the launch config its autotuner picked, and times, with do_bench (L2 flushed), in one process:
   compile             torch.compile of F.layer_norm / F.rms_norm (fresh per shape)
   triton              ampkernels' Triton backend as shipped
   reg ROWS/WARPS[/pf][/nostats]  _norm_fwd_kernel with that launch (pf: params loaded with x;
