@@ -64,16 +64,16 @@ def launcher(kind, a, b, c, x, w, bias, is_rms):
     y = torch.empty_like(x)
     mean = torch.empty(m, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    kargs = (x, x, w, x if bias is None else bias, y, x, rstd if is_rms else mean, rstd, m, n, 1e-5)
+    ptrs = (x, x, w, x if bias is None else bias, y, x, rstd if is_rms else mean, rstd)
     flags = dict(IS_RMS=is_rms, HAS_R=False, HAS_W=True, HAS_B=bias is not None)
     block = 1 << (n - 1).bit_length()
 
     def go():  # launches, returns y
         if kind == "reg":
-            tln._norm_fwd_kernel[(-(-m // a),)](*kargs, **flags, BLOCK_N=block, ROWS=a, PARAMS_FIRST=c[0],
+            tln._norm_fwd_kernel[(-(-m // a),)](*ptrs, m, n, 1e-5, **flags, BLOCK_N=block, ROWS=a, PARAMS_FIRST=c[0],
                                                 STORE_STATS=c[1], num_warps=b)
         else:
-            tln._norm_fwd_chunked_kernel[(m,)](*kargs[:-2], kargs[-1], int(c[1]), N=n, **flags, BLOCK_N=a,
+            tln._norm_fwd_chunked_kernel[(m,)](*ptrs, m, 1e-5, int(c[1]), N=n, **flags, BLOCK_N=a,
                                                UNROLL=c[0], EVEN=n % a == 0, num_warps=b)
         return y
     return go

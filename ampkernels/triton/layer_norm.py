@@ -593,9 +593,9 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     if M == 0 or N == 0:
         return out, res_out, mean, rstd
     dummy, stat_dummy = x, _fp32_dummy(x.device)
-    args = (x, dummy if residual is None else residual, dummy if weight is None else weight,
+    ptrs = (x, dummy if residual is None else residual, dummy if weight is None else weight,
             dummy if bias is None else bias, out, dummy if residual is None else res_out,
-            mean if want_stats and not is_rms else stat_dummy, rstd if want_stats else stat_dummy, M, N, eps)
+            mean if want_stats and not is_rms else stat_dummy, rstd if want_stats else stat_dummy)
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
     wide_params = x.element_size() == 2 and weight is not None and weight.element_size() == 4
     block, rows, warps, params_first = _fwd_config(N, wide_params)
@@ -603,10 +603,10 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     with on_device(x):
         if chunked:
             chunk, chunk_warps, unroll = chunked
-            _norm_fwd_chunked_kernel[(M,)](*args[:-2], eps, int(want_stats), N=N, **flags, BLOCK_N=chunk,
+            _norm_fwd_chunked_kernel[(M,)](*ptrs, M, eps, int(want_stats), N=N, **flags, BLOCK_N=chunk,
                                            UNROLL=unroll, EVEN=N % chunk == 0, num_warps=chunk_warps)
         else:
-            _norm_fwd_kernel[(cdiv(M, rows),)](*args, **flags, BLOCK_N=block, ROWS=rows, PARAMS_FIRST=params_first,
+            _norm_fwd_kernel[(cdiv(M, rows),)](*ptrs, M, N, eps, **flags, BLOCK_N=block, ROWS=rows, PARAMS_FIRST=params_first,
                                                STORE_STATS=want_stats, num_warps=warps)
     return out, res_out, mean, rstd
 
