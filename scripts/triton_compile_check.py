@@ -37,6 +37,11 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
     TensorDescriptor = None
+try:  # Gluon kernels (ampkernels/triton/linear_act_pingpong.py) compile from their own AST source
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:
+    GluonASTSource = GluonTensorDescriptor = None
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int8: "i8",
            torch.int32: "i32", torch.int64: "i64"}
@@ -56,6 +61,10 @@ def _divisible_by_16(value):
 def _arg_type(value):
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[value.dtype]
+    if GluonTensorDescriptor is not None and isinstance(value, GluonTensorDescriptor):
+        # as Triton's launcher types it: the shared-memory layout is part of a Gluon descriptor
+        shape = ",".join(str(s) for s in value.block_shape)
+        return f"tensordesc<{_DTYPES[value.base.dtype]}[{shape}],{value.layout!r}>"
     if TensorDescriptor is not None and isinstance(value, TensorDescriptor):
         shape = ",".join(str(s) for s in value.block_shape)
         return f"tensordesc<{_DTYPES[value.base.dtype]}[{shape}]>"
@@ -102,7 +111,8 @@ class Checker:
         self.shared[key] = None
         what = f"{fn.__name__} {options} " + " ".join(f"{k}={v}" for k, v in constexprs.items())
         try:
-            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+            source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+            kernel = triton.compile(source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                     target=self.target, options=options)
             regs, spills = self.ptxas_usage(kernel)
             if self.verbose or spills:
@@ -132,7 +142,7 @@ class Checker:
         checker = self
 
         def jit_run(fn, *args, grid, warmup, **kwargs):
-            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
             shared = checker.compile(fn, args, kwargs, options)
             if shared is not None and shared > checker.max_shared:
                 # as the GPU's launch does: the launcher may catch it and launch something smaller
@@ -176,6 +186,10 @@ def launch_everything(max_shared):
             empty(256, 384, dtype=dtype)
         for tma in (True, False):
             tla.linear_act_fwd(x, w, bias, gelu, True, tma=tma)
+        if tla._pingpong.available():  # the Hopper ping-pong kernel: with and without pre / bias
+            for act_id in range(len(ACTIVATIONS)) if dtype == torch.bfloat16 else (gelu,):
+                tla.linear_act_fwd(x, w, bias, act_id, True, tma=True, pingpong=True)
+            tla.linear_act_fwd(x, w, None, gelu, False, tma=True, pingpong=True)
         if dtype == torch.float16:
             continue  # the branches below do not depend on the dtype
         # every other activation, no bias / no pre (first config)

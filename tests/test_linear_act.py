@@ -701,3 +701,47 @@ def test_gpu_triton_tma_kernel_is_live_on_hopper():
     assert tk._TMA_STATE["broken"] is None, tk._TMA_STATE["broken"]
     assert tk.tma_enabled(x.device)
     assert_rel_close(y, reference.linear_act(x.double(), w.double(), b.double(), "gelu"), torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_triton_pingpong_kernel(dtype):
+    # the warp-specialized Hopper kernel, forced: every activation, bias or not, pre stored or not.
+    # 5000 x 1000 (ragged in M, N and K = 776) is 320 tiles: several per program, so both
+    # consumers run and take turns; 1 x 8 x 16 is one tile with one consumer idle
+    from ampkernels.triton import linear_act as tk
+    if not tk.pingpong_enabled(torch.device("cuda")):
+        pytest.skip("the ping-pong kernel needs Hopper (sm_90) and Triton's Gluon")
+    for m, k, n in ((5000, 776, 1000), (1, 16, 8)):
+        x, w, b = _inputs(m, k, n, dtype, "cuda")
+        want_pre = reference.linear_act(x.double(), w.double(), b.double(), "identity")
+        for activation in ACTS:
+            act_id = reference.activation_id(activation)
+            want_y = reference.linear_act(x.double(), w.double(), b.double(), activation)
+            for store_pre in (True, False):
+                y, pre = tk.linear_act_fwd(x, w, b, act_id, store_pre, pingpong=True)
+                what = f"{m}x{k}x{n} {activation} store_pre={store_pre}"
+                assert_rel_close(y, want_y, dtype, what=f"y {what}")
+                if store_pre:
+                    assert_rel_close(pre, want_pre, dtype, what=f"pre {what}")
+            y, _ = tk.linear_act_fwd(x, w, None, act_id, False, pingpong=True)
+            want = reference.linear_act(x.double(), w.double(), None, activation)
+            assert_rel_close(y, want, dtype, what=f"y {m}x{k}x{n} {activation} no bias")
+    assert tk._PINGPONG_STATE["broken"] is None
+
+
+@pytest.mark.gpu
+def test_gpu_triton_auto_picks_pingpong_for_gelu_at_long_k():
+    from ampkernels.triton import linear_act as tk
+    if not tk.pingpong_enabled(torch.device("cuda")):
+        pytest.skip("the ping-pong kernel needs Hopper (sm_90) and Triton's Gluon")
+    x, w, b = _inputs(512, 2048, 384, torch.bfloat16, "cuda")
+    calls = []
+    original = tk._pingpong.linear_act_fwd_pingpong
+    tk._pingpong.linear_act_fwd_pingpong = lambda *a: calls.append(a) or original(*a)
+    try:
+        y, _ = tk.linear_act_fwd(x, w, b, reference.activation_id("gelu"), False)
+    finally:
+        tk._pingpong.linear_act_fwd_pingpong = original
+    assert len(calls) == 1
+    assert_rel_close(y, reference.linear_act(x.double(), w.double(), b.double(), "gelu"), torch.bfloat16)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv, on_device
+from . import linear_act_pingpong as _pingpong
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -326,18 +327,37 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def linear_act_fwd(x, weight, bias, act_id, store_pre, tma=None):
+_PINGPONG_STATE = {"broken": None}  # set to the error if a ping-pong launch ever fails
+# where the ping-pong kernel is the default (when TMA is): the long epilogues, with K long enough
+# that a main loop outlasts the other consumer's epilogue. On the H200 (bf16 and fp16, pre stored
+# or not; scripts/linear_act_probe.py --pingpong) it ran erf GELU 0.83-0.96 and SiLU 0.83-0.995 of
+# cuBLAS's plain matmul at 8192x4096x{4096,16384}, against 0.79-0.91 and 0.83-0.96 for the TMA
+# kernel; at K = 1024 SiLU lost: benchmarks/results/h200-2026-12-01-*-linear-act-pingpong.log
+_PINGPONG_ACTS = (2, 4)  # gelu, silu
+_PINGPONG_MIN_K = 2048
+
+
+def pingpong_enabled(device):
+    if (not _pingpong.available() or os.environ.get("AMPKERNELS_TRITON_PINGPONG", "1") == "0"
+            or _PINGPONG_STATE["broken"] is not None or not tma_enabled(device)):
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9  # wgmma: Hopper only
+
+
+def linear_act_fwd(x, weight, bias, act_id, store_pre, tma=None, pingpong=None):
     """(y, pre) for x (M, K), weight (N, K), bias (N,) or None, all contiguous, one dtype.
 
     pre is x @ W^T + b in x's dtype when store_pre, else an empty (0, 0) tensor.
     tma: None picks the TMA kernel on Hopper+ when the operands allow it; True/False force it
     (tests run the TMA kernel under TRITON_INTERPRET=1 this way).
+    pingpong: None picks the warp-specialized Hopper kernel (linear_act_pingpong.py) for the
+    activations and shapes where it was measured faster; True/False force it (TMA-ready operands).
     """
     with on_device(x):
-        return _fwd(x, weight, bias, act_id, store_pre, tma)
+        return _fwd(x, weight, bias, act_id, store_pre, tma, pingpong)
 
 
-def _fwd(x, weight, bias, act_id, store_pre, tma):
+def _fwd(x, weight, bias, act_id, store_pre, tma, pingpong):
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -368,6 +388,20 @@ def _fwd(x, weight, bias, act_id, store_pre, tma):
     pre_arg = pre if store_pre else y
     use_tma = (tma_enabled(x.device) if tma is None else tma) and TensorDescriptor is not None
     if use_tma and _tma_ok(x, weight, y):
+        forced = pingpong is not None
+        if not forced:
+            pingpong = (act_id in _PINGPONG_ACTS and K >= _PINGPONG_MIN_K and x.is_cuda
+                        and pingpong_enabled(x.device))
+        if pingpong:
+            try:
+                _pingpong.linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre if store_pre else None, programs)
+                return y, pre
+            except Exception as e:  # a Triton whose Gluon cannot build it: say so once, keep working
+                if forced:
+                    raise
+                _PINGPONG_STATE["broken"] = f"{type(e).__name__}: {e}"
+                log.warning("ampkernels: Gluon ping-pong matmul unavailable (%s); using the TMA kernel",
+                            _PINGPONG_STATE["broken"][:300])
         try:
             # block shapes are placeholders: the autotuner's pre_hook sets them per config
             descs = [TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, weight, y, pre_arg)]
