@@ -704,18 +704,20 @@ def test_gpu_triton_tma_kernel_is_live_on_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_triton_pingpong_kernel(dtype):
-    # the warp-specialized Hopper kernel, forced: every activation, bias or not, pre stored or not.
-    # 5000 x 1000 (ragged in M, N and K = 776) is 320 tiles: several per program, so both
-    # consumers run and take turns; 1 x 8 x 16 is one tile with one consumer idle
+@pytest.mark.parametrize("dtype, activations", [(torch.bfloat16, ACTS), (torch.float16, ("gelu", "silu"))])
+def test_gpu_triton_pingpong_kernel(dtype, activations, monkeypatch):
+    # the warp-specialized Hopper kernel, forced: every activation (bf16; fp16: the two it runs by
+    # default), bias or not, pre stored or not. 5000 x 1000 (ragged in M, N and K = 776) is 320
+    # tiles: several per program, so both consumers run and take turns; 1 x 24 x 8 is one tile
+    # with one consumer idle (K not a multiple of 16 in both: one compile per variant)
     from ampkernels.triton import linear_act as tk
+    monkeypatch.setenv("AMPKERNELS_TRITON_PINGPONG", "1")
     if not tk.pingpong_enabled(torch.device("cuda")):
         pytest.skip("the ping-pong kernel needs Hopper (sm_90) and Triton's Gluon")
-    for m, k, n in ((5000, 776, 1000), (1, 16, 8)):
+    for m, k, n in ((5000, 776, 1000), (1, 24, 8)):
         x, w, b = _inputs(m, k, n, dtype, "cuda")
         want_pre = reference.linear_act(x.double(), w.double(), b.double(), "identity")
-        for activation in ACTS:
+        for activation in activations:
             act_id = reference.activation_id(activation)
             want_y = reference.linear_act(x.double(), w.double(), b.double(), activation)
             for store_pre in (True, False):
@@ -731,8 +733,9 @@ def test_gpu_triton_pingpong_kernel(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_triton_auto_picks_pingpong_for_gelu_at_long_k():
+def test_gpu_triton_auto_picks_pingpong_for_gelu_when_enabled(monkeypatch):
     from ampkernels.triton import linear_act as tk
+    monkeypatch.setenv("AMPKERNELS_TRITON_PINGPONG", "1")
     if not tk.pingpong_enabled(torch.device("cuda")):
         pytest.skip("the ping-pong kernel needs Hopper (sm_90) and Triton's Gluon")
     x, w, b = _inputs(512, 2048, 384, torch.bfloat16, "cuda")
@@ -745,3 +748,20 @@ def test_gpu_triton_auto_picks_pingpong_for_gelu_at_long_k():
         tk._pingpong.linear_act_fwd_pingpong = original
     assert len(calls) == 1
     assert_rel_close(y, reference.linear_act(x.double(), w.double(), b.double(), "gelu"), torch.bfloat16)
+
+
+
+def test_pingpong_is_opt_in_and_hopper_only(monkeypatch):
+    # the dispatch rule alone (no GPU): a Hopper with TMA and Gluon stood in for
+    from ampkernels.triton import linear_act as tk
+    monkeypatch.setattr(tk, "tma_enabled", lambda device: True)
+    monkeypatch.setattr(tk._pingpong, "available", lambda: True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    device = torch.device("cuda")
+    monkeypatch.delenv("AMPKERNELS_TRITON_PINGPONG", raising=False)
+    assert not tk.pingpong_enabled(device)
+    monkeypatch.setenv("AMPKERNELS_TRITON_PINGPONG", "1")
+    assert tk.pingpong_enabled(device)
+    capability[0] = (10, 0)  # wgmma is Hopper's alone
+    assert not tk.pingpong_enabled(device)
