@@ -733,7 +733,7 @@ def test_gpu_triton_pingpong_kernel(dtype, activations, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_triton_auto_picks_pingpong_for_gelu_when_enabled(monkeypatch):
+def test_gpu_triton_auto_picks_pingpong_for_gelu(monkeypatch):
     from ampkernels.triton import linear_act as tk
     monkeypatch.setenv("AMPKERNELS_TRITON_PINGPONG", "1")
     if not tk.pingpong_enabled(torch.device("cuda")):
@@ -751,7 +751,7 @@ def test_gpu_triton_auto_picks_pingpong_for_gelu_when_enabled(monkeypatch):
 
 
 
-def test_pingpong_is_opt_in_and_hopper_only(monkeypatch):
+def test_pingpong_is_on_by_default_and_hopper_only(monkeypatch):
     # the dispatch rule alone (no GPU): a Hopper with TMA and Gluon stood in for
     from ampkernels.triton import linear_act as tk
     monkeypatch.setattr(tk, "tma_enabled", lambda device: True)
@@ -760,6 +760,8 @@ def test_pingpong_is_opt_in_and_hopper_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     device = torch.device("cuda")
     monkeypatch.delenv("AMPKERNELS_TRITON_PINGPONG", raising=False)
+    assert tk.pingpong_enabled(device)
+    monkeypatch.setenv("AMPKERNELS_TRITON_PINGPONG", "0")
     assert not tk.pingpong_enabled(device)
     monkeypatch.setenv("AMPKERNELS_TRITON_PINGPONG", "1")
     assert tk.pingpong_enabled(device)

@@ -336,9 +336,9 @@ _PINGPONG_STATE = {"broken": None}  # set to the error if a ping-pong launch eve
 _PINGPONG_ACTS = (2, 4)  # gelu, silu
 
 def pingpong_enabled(device):
-    # opt-in (AMPKERNELS_TRITON_PINGPONG=1) until its GPU tests (test_gpu_triton_pingpong_kernel)
-    # have passed on this commit's tree: the timings above ran it, the tests did not run yet
-    if (not _pingpong.available() or os.environ.get("AMPKERNELS_TRITON_PINGPONG", "0") != "1"
+    # on by default (its GPU tests passed on the H200 at 4302924); AMPKERNELS_TRITON_PINGPONG=0
+    # turns it off
+    if (not _pingpong.available() or os.environ.get("AMPKERNELS_TRITON_PINGPONG", "1") == "0"
             or _PINGPONG_STATE["broken"] is not None or not tma_enabled(device)):
         return False
     return torch.cuda.get_device_capability(device)[0] == 9  # wgmma: Hopper only
