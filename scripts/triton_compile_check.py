@@ -187,7 +187,7 @@ def launch_everything(max_shared):
         for tma in (True, False):
             tla.linear_act_fwd(x, w, bias, gelu, True, tma=tma)
         if tla._pingpong.available():  # the Hopper ping-pong kernel: with and without pre / bias
-            for act_id in range(len(ACTIVATIONS)) if dtype == torch.bfloat16 else (gelu,):
+            for act_id in range(len(ACTIVATIONS)):
                 tla.linear_act_fwd(x, w, bias, act_id, True, tma=True, pingpong=True)
             tla.linear_act_fwd(x, w, None, gelu, False, tma=True, pingpong=True)
         if dtype == torch.float16:

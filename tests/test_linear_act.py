@@ -11,6 +11,7 @@ Tolerances: outputs within TOL (fp16 1e-3, bf16 8e-3 relative Frobenius error vs
 Gradients get factor 2: dz = dy * act'(pre) is rounded to the compute dtype before the two
 K- and M-long GEMMs, so they carry one extra rounding of the hidden tensor.
 """
+import itertools
 import math
 import os
 
@@ -683,7 +684,7 @@ def test_gpu_triton_every_tma_config():
         for cfg in tk._tma_configs(tune=True):
             kernel.configs = [cfg]  # one config: the autotuner launches it without timing
             kernel.cache.clear()
-            y, pre = tk.linear_act_fwd(x, w, b, reference.activation_id("gelu"), True)
+            y, pre = tk.linear_act_fwd(x, w, b, reference.activation_id("gelu"), True, pingpong=False)
             assert_rel_close(y, want_y, torch.bfloat16, what=f"y {cfg}")
             assert_rel_close(pre, want_pre, torch.bfloat16, what=f"pre {cfg}")
     finally:
@@ -697,58 +698,92 @@ def test_gpu_triton_tma_kernel_is_live_on_hopper():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9.0+")
     x, w, b = _inputs(256, 512, 384, torch.float16, "cuda")
-    y, _ = tk.linear_act_fwd(x, w, b, reference.activation_id("gelu"), False)
+    y, _ = tk.linear_act_fwd(x, w, b, reference.activation_id("gelu"), False, pingpong=False)
     assert tk._TMA_STATE["broken"] is None, tk._TMA_STATE["broken"]
     assert tk.tma_enabled(x.device)
     assert_rel_close(y, reference.linear_act(x.double(), w.double(), b.double(), "gelu"), torch.float16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, activations", [(torch.bfloat16, ACTS), (torch.float16, ("gelu", "silu"))])
-def test_gpu_triton_pingpong_kernel(dtype, activations, monkeypatch):
-    # the warp-specialized Hopper kernel, forced: every activation (bf16; fp16: the two it runs by
-    # default), bias or not, pre stored or not. 5000 x 1000 (ragged in M, N and K = 776) is 320
-    # tiles: several per program, so both consumers run and take turns; 1 x 24 x 8 is one tile
-    # with one consumer idle (K not a multiple of 16 in both: one compile per variant)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_triton_hopper_kernels(dtype):
+    # both Hopper kernels, each forced (the ping-pong kernel and the TMA kernel's first config:
+    # this file turns autotuning off), every activation, bias or not, pre stored or not.
+    # 5000 x 1000 (ragged in M, N and K = 776) is 320 tiles: several per program, so both
+    # ping-pong consumers run and take turns; 1 x 24 x 8 is one tile with one consumer idle
+    # (K not a multiple of 16 in both: one compile per variant)
     from ampkernels.triton import linear_act as tk
-    monkeypatch.setenv("AMPKERNELS_TRITON_PINGPONG", "1")
     if not tk.pingpong_enabled(torch.device("cuda")):
         pytest.skip("the ping-pong kernel needs Hopper (sm_90) and Triton's Gluon")
     for m, k, n in ((5000, 776, 1000), (1, 24, 8)):
         x, w, b = _inputs(m, k, n, dtype, "cuda")
         want_pre = reference.linear_act(x.double(), w.double(), b.double(), "identity")
-        for activation in activations:
+        for activation, pingpong in itertools.product(ACTS, (True, False)):
             act_id = reference.activation_id(activation)
             want_y = reference.linear_act(x.double(), w.double(), b.double(), activation)
             for store_pre in (True, False):
-                y, pre = tk.linear_act_fwd(x, w, b, act_id, store_pre, pingpong=True)
-                what = f"{m}x{k}x{n} {activation} store_pre={store_pre}"
+                y, pre = tk.linear_act_fwd(x, w, b, act_id, store_pre, pingpong=pingpong)
+                what = f"{m}x{k}x{n} {activation} store_pre={store_pre} pingpong={pingpong}"
                 assert_rel_close(y, want_y, dtype, what=f"y {what}")
                 if store_pre:
                     assert_rel_close(pre, want_pre, dtype, what=f"pre {what}")
-            y, _ = tk.linear_act_fwd(x, w, None, act_id, False, pingpong=True)
+            y, _ = tk.linear_act_fwd(x, w, None, act_id, False, pingpong=pingpong)
             want = reference.linear_act(x.double(), w.double(), None, activation)
-            assert_rel_close(y, want, dtype, what=f"y {m}x{k}x{n} {activation} no bias")
-    assert tk._PINGPONG_STATE["broken"] is None
+            assert_rel_close(y, want, dtype, what=f"y {m}x{k}x{n} {activation} no bias pingpong={pingpong}")
+    assert tk._PINGPONG_STATE["broken"] is None and tk._TMA_STATE["broken"] is None
 
 
 @pytest.mark.gpu
-def test_gpu_triton_auto_picks_pingpong_for_gelu(monkeypatch):
+def test_gpu_triton_times_pingpong_against_tma_once(monkeypatch):
+    # left to itself the Triton forward times the two Hopper kernels once per shape and keeps
+    # the faster; whichever it keeps, and the other when the pick is overridden, is right
     from ampkernels.triton import linear_act as tk
-    monkeypatch.setenv("AMPKERNELS_TRITON_PINGPONG", "1")
     if not tk.pingpong_enabled(torch.device("cuda")):
         pytest.skip("the ping-pong kernel needs Hopper (sm_90) and Triton's Gluon")
     x, w, b = _inputs(512, 2048, 384, torch.bfloat16, "cuda")
+    act_id = reference.activation_id("gelu")
+    key = (x.device, x.dtype, 512, 384, 2048, act_id, False, True)
+    tk._KERNEL_PICK.pop(key, None)
+    monkeypatch.setattr(tk, "_AUTOTUNE", True)  # the timing runs only where tuning is on
     calls = []
     original = tk._pingpong.linear_act_fwd_pingpong
-    tk._pingpong.linear_act_fwd_pingpong = lambda *a: calls.append(a) or original(*a)
-    try:
-        y, _ = tk.linear_act_fwd(x, w, b, reference.activation_id("gelu"), False)
-    finally:
-        tk._pingpong.linear_act_fwd_pingpong = original
-    assert len(calls) == 1
-    assert_rel_close(y, reference.linear_act(x.double(), w.double(), b.double(), "gelu"), torch.bfloat16)
+    monkeypatch.setattr(tk._pingpong, "linear_act_fwd_pingpong", lambda *a: calls.append(a) or original(*a))
+    want = reference.linear_act(x.double(), w.double(), b.double(), "gelu")
+    y, _ = tk.linear_act_fwd(x, w, b, act_id, False)
+    assert key in tk._KERNEL_PICK
+    assert_rel_close(y, want, torch.bfloat16)
+    for pick in (True, False):
+        tk._KERNEL_PICK[key] = pick
+        calls.clear()
+        y, _ = tk.linear_act_fwd(x, w, b, act_id, False)
+        assert len(calls) == (1 if pick else 0)
+        assert_rel_close(y, want, torch.bfloat16, what=f"pingpong={pick}")
+    tk._KERNEL_PICK.pop(key)
 
+
+def test_pingpong_pick_is_timed_once_per_key(monkeypatch):
+    # the timing rule alone (no GPU): fake kernels with fixed times
+    from ampkernels.triton import linear_act as tk
+    monkeypatch.setattr(tk, "_KERNEL_PICK", {})
+    monkeypatch.setattr(tk, "_AUTOTUNE", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    times = {"pingpong": 1.0, "tma": 2.0}
+    ran = []
+
+    def kernel(name):
+        return lambda: ran.append(name)
+
+    monkeypatch.setattr(tk, "_median_ms", lambda fn: fn() or times[ran[-1]])
+    assert tk._pingpong_is_faster("a", kernel("pingpong"), kernel("tma"))
+    assert ran == ["pingpong", "tma", "tma"]  # the TMA kernel's autotuning run, then its timing
+    times["pingpong"] = 3.0
+    assert tk._pingpong_is_faster("a", kernel("pingpong"), kernel("tma"))  # cached: no new runs
+    assert len(ran) == 3
+    assert not tk._pingpong_is_faster("b", kernel("pingpong"), kernel("tma"))
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tk._pingpong_is_faster("d", kernel("pingpong"), kernel("tma"))  # no timing while capturing
+    assert "d" not in tk._KERNEL_PICK
 
 
 def test_pingpong_is_on_by_default_and_hopper_only(monkeypatch):
