@@ -18,14 +18,16 @@ The ring's ready/empty barriers are waited on by parity, which cannot tell phase
 the turns also keep the consumers meeting the phases in the order one consumer would.
 
 Same contract as _linear_act_fwd_tma_kernel: y = act(x W^T + b) with the pre-activation rounded
-to y's dtype first (stored to pre when STORE_PRE), fp32 accumulation, activation math from
-linear_act._act_fwd's formulas. Gluon has no interpreter; the kernel is compiled for sm_90 on
-CPU by scripts/triton_compile_check.py and tested on the GPU (tests/test_linear_act.py).
+to y's dtype first (stored to pre when STORE_PRE), fp32 accumulation, the activation formulas and
+the tile order of epilogue.py. Gluon has no interpreter; the kernel is compiled for sm_90 on CPU by
+scripts/triton_compile_check.py and tested on the GPU (tests/test_linear_act.py).
 """
 import functools
 
 import torch
 import triton
+
+from .epilogue import _act_fwd, _tile_origin  # triton.jit functions: Gluon functions call them
 
 try:
     from triton.experimental import gluon
@@ -50,52 +52,6 @@ def available():
 
 if gluon is not None:
     _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-
-    @gluon.jit
-    def _ex2(x):
-        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _rcp(x):
-        return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _act(z, ACT: gl.constexpr):
-        # linear_act._act_fwd's formulas (see there), in Gluon: fp32 z, NaN propagates
-        if ACT == 1:  # relu
-            z = gl.where(z <= 0.0, 0.0, z)
-        elif ACT == 2:  # erf GELU: z Phi(z) through the Gaussian tail Q(|z|)
-            a = gl.abs(z)
-            t = _rcp(1.0 + 0.4 * a)
-            p = 0.27394530177116394
-            p = p * t - 1.4028655290603638
-            p = p * t + 2.8012568950653076
-            p = p * t - 2.5152602195739746
-            p = p * t + 0.7742717862129211
-            p = p * t - 0.2584783434867859
-            p = p * t + 0.5360429883003235
-            p = p * t + 1.4386100769042969
-            p = p * t - 2.6475226879119873
-            q = t * _ex2(p - 0.7213475204444817 * a * a)
-            z = z * gl.where(z >= 0.0, 1.0 - q, q)
-        elif ACT == 3:  # tanh GELU
-            z = z * _rcp(1.0 + _ex2(z * (-2.302208198 - 0.1029432396 * z * z)))
-        elif ACT == 4:  # silu
-            z = z * _rcp(1.0 + _ex2(-1.4426950408889634 * z))
-        elif ACT == 5:  # squared relu
-            r = gl.where(z <= 0.0, 0.0, z)
-            z = r * r
-        return z
-
-    @gluon.jit
-    def _tile_origin(tile, num_m, num_n, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
-        # linear_act._tile_origin: bands of GROUP tile rows, so programs in flight share tiles in L2
-        in_group = GROUP * num_n
-        first_m = (tile // in_group) * GROUP
-        group_size = gl.minimum(num_m - first_m, GROUP)
-        return (first_m + (tile % in_group) % group_size) * BM, ((tile % in_group) // group_size) * BN
 
     @gluon.jit
     def _producer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, b_ptr, M, N, K,
@@ -177,9 +133,9 @@ if gluon is not None:
                 tma.store_wait(0)
                 for h in gl.static_range(2):
                     half = c_smem.slice(h * (BN // 2), BN // 2, dim=1)
-                    half.store(_act(half.load(half_layout).to(gl.float32), ACT).to(dtype))
+                    half.store(_act_fwd(half.load(half_layout).to(gl.float32), ACT).to(dtype))
             else:
-                c_smem.store(_act(pre.to(gl.float32), ACT).to(dtype))
+                c_smem.store(_act_fwd(pre.to(gl.float32), ACT).to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(y_desc, [off_m, off_n], c_smem)  # rows/cols past M/N clipped
         tma.store_wait(0)
