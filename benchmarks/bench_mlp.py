@@ -4,7 +4,8 @@ step = forward + backward. Same block as ../shared/baselines/baseline.py "block"
 
 Providers: fp32 eager, AMP fp16/bf16 eager, AMP fp16 torch.compile, and ampkernels under
 AMP: the eager block after nn.convert() (LayerNorm + fused Linear/GELU), and LayerNorm +
-nn.FusedMLP (one hidden-sized tensor saved); both norms emit the autocast dtype
+nn.FusedMLP (one hidden-sized tensor saved), the latter also on the Triton backend, with and
+without AMPKERNELS_TRITON_FUSED_DGRAD=1 (bf16); both norms emit the autocast dtype
 (out_dtype="autocast"), since their output only feeds the first matmul. Rows: ms per step, peak extra memory (MiB
 above the inputs and weights, measured over one untimed step), the memory the forward leaves for backward
 (held_after_fwd_MiB, incl. the fp32 y), tokens/s.
@@ -13,6 +14,7 @@ Rows without held_after_fwd_MiB (before 2026-11-30 session 3) measured the peak 
 (triton's get_empty_cache_for_benchmark) counted as "peak": subtract 256 from their peak_extra_MiB.
 """
 import copy
+import os
 
 import torch
 
@@ -37,12 +39,20 @@ def _providers(hidden):
                                 aknn.FusedMLP(hidden, 4 * hidden, activation="gelu_tanh"))
     fused.load_state_dict(fused_block_state_dict(eager.state_dict()))
     fused.cuda()
+    fused_triton = copy.deepcopy(fused)
+    fused_triton[1].backend = "triton"
     return [("fp32", eager, None), ("amp_fp16", eager, torch.float16), ("amp_bf16", eager, torch.bfloat16),
             ("amp_fp16_compile", "compile", torch.float16),
             ("ampkernels_convert_fp16", converted, torch.float16),
             ("ampkernels_convert_bf16", converted, torch.bfloat16),
             ("ampkernels_fusedmlp_fp16", fused, torch.float16),
-            ("ampkernels_fusedmlp_bf16", fused, torch.bfloat16)], eager
+            ("ampkernels_fusedmlp_bf16", fused, torch.bfloat16),
+            ("ampkernels_fusedmlp_triton_bf16", fused_triton, torch.bfloat16),
+            ("ampkernels_fusedmlp_triton_fused_dgrad_bf16", fused_triton, torch.bfloat16)], eager
+
+
+# providers measured with an environment variable set through their whole step
+_PROVIDER_ENV = {"ampkernels_fusedmlp_triton_fused_dgrad_bf16": {"AMPKERNELS_TRITON_FUSED_DGRAD": "1"}}
 
 
 def fused_block_state_dict(sd):
@@ -70,7 +80,15 @@ def _step_time(recorder, name, block, eager, dtype, tokens, hidden, quick):
     else:
         f = block
     x = torch.randn(tokens, hidden, device="cuda", requires_grad=True)
+    os.environ.update(_PROVIDER_ENV.get(name, {}))
+    try:
+        _measure_step(recorder, name, f, x, dtype, tokens, hidden, quick)
+    finally:
+        for var in _PROVIDER_ENV.get(name, {}):
+            os.environ.pop(var)
 
+
+def _measure_step(recorder, name, f, x, dtype, tokens, hidden, quick):
     def step():
         with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
             y = x + f(x)

@@ -192,14 +192,18 @@ def launch_everything(max_shared):
             tla.linear_act_fwd(x, w, None, gelu, False, tma=True, pingpong=True)
         if dtype == torch.float16:
             continue  # the branches below do not depend on the dtype
+        # the GEMM with act' in its epilogue, every config: erf GELU, (256 x 512) @ (512 x 384)
+        tla.matmul_act_grad(x, w.t().contiguous(), y, gelu, True, tma=True)
         # every other activation, no bias / no pre (first config)
         for act_id in range(len(ACTIVATIONS)):
             for tma in (True, False):
                 tla.linear_act_fwd(x, w, bias, act_id, True, tma=tma)
             tla.linear_act_dz(y, y, act_id, True)
+            tla.matmul_act_grad(x, w.t().contiguous(), y, act_id, True, tma=True)
         for tma in (True, False):
             tla.linear_act_fwd(x, w, None, gelu, False, tma=tma)
         tla.linear_act_dz(y, y, gelu, False)
+        tla.matmul_act_grad(x, w.t().contiguous(), y, gelu, False, tma=True)
         # norms: N picks the regime (several rows per program, one row, chunked with and without
         # a partial chunk); LayerNorm with fp32 params and a residual, RMSNorm with 16-bit params
         # and none; the forward for training (mean/rstd stored) and for inference

@@ -191,6 +191,50 @@ def test_triton_dz_kernel(activation):
     assert_rel_close(db, dz.double().sum(0), torch.float32)
 
 
+def _check_matmul_act_grad(m, k, n, activation, dtype, device):
+    # one GEMM with act' and the bias-gradient partials in its epilogue, against float64
+    from ampkernels.triton import linear_act as tk
+    g, w = randn(m, k, dtype=dtype, device=device), randn(k, n, dtype=dtype, device=device, scale=k ** -0.5)
+    pre = randn(m, n, dtype=dtype, device=device, scale=2)
+    got = tk.matmul_act_grad(g, w, pre, reference.activation_id(activation), True)
+    assert got is not None, "TMA-ready operands"
+    dz, db = got
+    # the two-step path's rounding: g @ w lands in the compute dtype before act' multiplies it
+    want = (g.double() @ w.double()).to(dtype).double() * reference.act_grad(pre.double(), activation)
+    assert dz.dtype == dtype and dz.shape == (m, n)
+    assert_rel_close(dz, want, dtype, what=f"dz {m}x{k}x{n} {activation}")
+    assert db.dtype == torch.float32
+    assert_rel_close(db, dz.double().sum(0), torch.float32, what="db: column sums of dz as stored")
+    dz2, none = tk.matmul_act_grad(g, w, pre, reference.activation_id(activation), False)
+    assert none is None and torch.equal(dz2, dz)
+
+
+@needs_triton
+@pytest.mark.parametrize("activation", ACTS[1:])
+def test_triton_matmul_act_grad_kernel(activation):
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers triton on CUDA tensors")
+    _check_matmul_act_grad(70, 40, 56, activation, torch.float16, "cpu")  # ragged tiles in M, N and K
+
+
+@needs_triton
+def test_triton_matmul_act_grad_declines_what_tma_cannot_describe():
+    from ampkernels.triton import linear_act as tk
+    g, w = randn(8, 13, dtype=torch.float16), randn(13, 16, dtype=torch.float16)  # 26-byte rows
+    assert tk.matmul_act_grad(g, w, randn(8, 16, dtype=torch.float16), 2, True) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_triton_matmul_act_grad_kernel(dtype):
+    from ampkernels.triton import linear_act as tk
+    if not tk.tma_enabled(torch.device("cuda")):
+        pytest.skip("TMA needs compute capability 9.0+")
+    for activation in ACTS[1:]:
+        for m, k, n in ((1000, 776, 1000), (1, 8, 8)):
+            _check_matmul_act_grad(m, k, n, activation, dtype, "cuda")
+
+
 try:  # the Triton forward epilogue's activation alone, as a kernel over a 1-D fp32 tensor
     import triton
     import triton.language as tl

@@ -19,6 +19,7 @@ DGELU_BGRAD epilogue (37aa7bb..005ac1a, reverted). On the H200 (bf16, T=16384, H
 ran that epilogue as a separate 0.56 ms kernel after the GEMM, against 0.10 ms for our
 elementwise pass (benchmarks/results/h200-2026-11-30-005ac1a-host-profile.txt, end).
 """
+import os
 from typing import Optional
 
 import torch
@@ -50,9 +51,17 @@ def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
     # 2. dh = dout W2, then dz = dh * act'(pre) IN PLACE: dh is this function's own temporary
     #    (never visible outside), so the act' pass needs no third hidden-sized buffer. Triton
     #    sums db1 in the same pass; cuda fuses it into the dw1 GEMM below; torch sums dz.
-    dh = dout.mm(w2)
+    #    AMPKERNELS_TRITON_FUSED_DGRAD=1: Triton in one GEMM with act' and db1 in its epilogue.
+    fused = None
+    if backend == "triton" and activation != "identity" and os.environ.get("AMPKERNELS_TRITON_FUSED_DGRAD") == "1":
+        from ..triton import linear_act as tk
+        fused = tk.matmul_act_grad(dout, w2, pre, reference.activation_id(activation), b1_dtype is not None)
     db1_in_dz_pass = backend == "triton" and b1_dtype is not None
-    db1_32 = _act_backward_(dh, pre, activation, db1_in_dz_pass, backend)
+    if fused is not None:
+        dh, db1_32 = fused
+    else:
+        dh = dout.mm(w2)
+        db1_32 = _act_backward_(dh, pre, activation, db1_in_dz_pass, backend)
     # 3. layer 1 with act' already applied: an identity linear_act backward on dz
     dx, dw1, db1 = _la_bwd(dh, x, w1, None, "identity", True, True, b1_dtype is not None and not db1_in_dz_pass,
                            backend)

@@ -387,3 +387,85 @@ def linear_act_dz(dy, saved, act_id, want_dbias, out=None):
         _linear_act_dz_kernel[grid](dy, saved, dz, part, M, N, ACT=act_id, WANT_PARTIAL=want_dbias,
                                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SUB_M=SUB_M, num_warps=4)
     return dz, (part.sum(0) if want_dbias else None)
+
+
+# ---------------------------------------------------------------- GEMM with act' in its epilogue
+
+# BLOCK_M is the same in every config: the dbias partials then have one row per tile row
+# whichever config the autotuner runs (it runs them all into the same buffer)
+_DGRAD_BLOCK_M = 32 if _INTERPRET else 128
+
+
+def _dgrad_configs(tune=_AUTOTUNE):
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
+                              pre_hook=_set_dgrad_block_shapes)]
+    # one program per SM walking tiles, 8 warps: the epilogue holds the fp32 tile, the saved
+    # tile and act' at once. For erf GELU (libdevice erf and exp) ptxas spilled 828 bytes with
+    # 128 x 256 tiles and with 4 warps (scripts/triton_compile_check.py -v): not offered.
+    cfg = [(128, 64, 4, 8), (128, 64, 3, 8)]
+    cfg = cfg if tune else cfg[:1]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st, num_warps=w,
+                          pre_hook=_set_dgrad_block_shapes) for bn, bk, st, w in cfg]
+
+
+def _set_dgrad_block_shapes(nargs):
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["g_desc"].block_shape = [bm, bk]
+    nargs["w_desc"].block_shape = [bk, bn]
+    nargs["s_desc"].block_shape = [bm, bn]
+    nargs["dz_desc"].block_shape = [bm, bn]
+
+
+@triton.autotune(configs=_dgrad_configs(), key=["M", "N", "K", "ACT", "WANT_PARTIAL"])
+@triton.jit
+def _matmul_act_grad_tma_kernel(g_desc, w_desc, s_desc, dz_desc, part_ptr, M, N, K, ACT: tl.constexpr,
+                                WANT_PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # dz = round(g @ w) * act'(s) for w (K, N) row-major, rounded as in the two-step path (the
+    # GEMM writes g @ w in dz's dtype, linear_act_dz reads it back); the column sums of dz as
+    # stored go to part[tile row] in fp32 (summed over tile rows in a fixed order afterwards)
+    pid = tl.program_id(0)
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    for tile in tl.range(pid, num_m * num_n, tl.num_programs(0)):
+        off_m, off_n = _tile_origin(tile, num_m, num_n, GROUP_M, BLOCK_M, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range((K + BLOCK_K - 1) // BLOCK_K):
+            acc = tl.dot(g_desc.load([off_m, k * BLOCK_K]), w_desc.load([k * BLOCK_K, off_n]), acc)
+        s = s_desc.load([off_m, off_n])
+        dz = (acc.to(s.dtype).to(tl.float32) * _act_grad(s.to(tl.float32), ACT)).to(s.dtype)
+        dz_desc.store([off_m, off_n], dz)
+        if WANT_PARTIAL:  # out-of-bounds rows and columns loaded as zeros: their dz is 0
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            tl.store(part_ptr + (off_m // BLOCK_M) * N + offs_n, tl.sum(dz.to(tl.float32), axis=0),
+                     mask=offs_n < N)
+
+
+def matmul_act_grad(g, weight, saved, act_id, want_dbias, tma=None):
+    """(dz, dbias_fp32 or None) for dz = (g @ weight) * act'(saved): one GEMM with act' in its
+    epilogue instead of a GEMM and then linear_act_dz's pass over its output. g (M, K), weight
+    (K, N), saved (M, N): contiguous, one 16-bit dtype. Returns None where it cannot run (no
+    TMA, or operands a TMA descriptor cannot describe): the caller takes the two-step path.
+    tma=True skips the device check (the interpreter, scripts/triton_compile_check.py)."""
+    M, K = g.shape
+    N = weight.shape[1]
+    usable = (_INTERPRET or tma_enabled(g.device)) if tma is None else tma
+    if TensorDescriptor is None or not usable or min(M, N, K) == 0:
+        return None
+    dz = torch.empty_like(saved)
+    if not _tma_ok(g, weight, saved, dz):
+        return None
+    part = torch.empty((cdiv(M, _DGRAD_BLOCK_M), N), dtype=torch.float32, device=g.device) if want_dbias else dz
+    programs = _num_sms(g.device.index if g.device.index is not None else torch.cuda.current_device()) \
+        if g.is_cuda else 1 << 30
+
+    def grid(meta):
+        return (min(programs, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
+
+    with on_device(g):
+        # block shapes are placeholders: the autotuner's pre_hook sets them per config
+        descs = [TensorDescriptor.from_tensor(t, [16, 16]) for t in (g, weight, saved, dz)]
+        _matmul_act_grad_tma_kernel[grid](*descs, part, M, N, K, ACT=act_id, WANT_PARTIAL=want_dbias,
+                                          BLOCK_M=_DGRAD_BLOCK_M)
+    return dz, (part.sum(0) if want_dbias else None)
