@@ -10,18 +10,20 @@ configs, each looping over tiles): no launch tail wave, and the bias/activation 
 no extra pass over y.
 On Hopper (`_linear_act_fwd_tma_kernel`, the default when the operands are 16-byte aligned
 with N, K multiples of 8) the same kernel moves tiles with TMA descriptors: no per-element
-address math, zero-filled out-of-bounds loads, clipped stores, no masks.
+address math, zero-filled out-of-bounds loads, clipped stores, no masks; per shape it is timed
+once against the warp-specialized ping-pong kernel of linear_act_pingpong.py and the faster runs.
 
 Backward (`_linear_act_dz_kernel`): dz = dy * act'(saved) over BLOCK_M x BLOCK_N tiles, in
 dy's dtype, plus fp32 column sums of dz per row block (the dbias partials, later summed in
 a fixed order: deterministic). The two GEMMs of the backward (dx = dz W, dW = dz^T x) run
 on cuBLAS: applying act' on the fly inside them would recompute it once per output tile
 column (K / BLOCK_N times), which for erf/tanh/exp activations costs more CUDA-core time than
-one extra elementwise pass costs bandwidth.
+one extra elementwise pass costs bandwidth. Where the GEMM producing dy is ours to run
+(FusedMLP's backward), `_matmul_act_grad_tma_kernel` applies act' in that GEMM's epilogue.
 
-Activation ids follow ampkernels.reference.ACTIVATIONS. All activation math is fp32; the
-forward's GELUs and SiLU use the GPU's approximate ex2/rcp (see _act_fwd: within 2e-5 relative of
-float64, tests/test_linear_act.py), the backward's act' the libdevice functions.
+Activation ids follow ampkernels.reference.ACTIVATIONS. All activation math is fp32 (epilogue.py);
+the forward's GELUs and SiLU use the GPU's approximate ex2/rcp (within 2e-5 relative of float64,
+tests/test_linear_act.py), the backward's act' the libdevice functions.
 """
 import functools
 import logging
@@ -44,7 +46,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # AMPKERNELS_TRITON_AUTOTUNE=0: one config per kernel, no tuning runs (fast test sessions)
 _AUTOTUNE = os.environ.get("AMPKERNELS_TRITON_AUTOTUNE", "1") != "0"
 log = logging.getLogger("ampkernels")
-
 
 
 def _fwd_configs(tune=_AUTOTUNE):
