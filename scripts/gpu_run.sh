@@ -8,7 +8,8 @@
 #   GPU_TESTS=none GPU_BENCH="linear_act" BENCH_ARGS="--quick" bash scripts/gpu_run.sh
 #
 # GPU_TESTS: pytest paths/args for `pytest -m gpu` ("none" skips; split on spaces, so a -k expression
-# must be one word: at 7cf8101 "-k a or b" ran nothing); GPU_BENCH: benchmark
+# there must be one word: at 7cf8101 "-k a or b" ran nothing); GPU_TESTS_K: a -k expression of any
+# length; the 15 slowest tests are listed at the end of tests.log; GPU_BENCH: benchmark
 # ops (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows; set it literally, from this side's git (the
 # copy's .git HEAD may not be the copied tree: at 8bc7e59..4ce559d a $(git rev-parse) run on the
@@ -76,7 +77,7 @@ if [ "${GPU_TESTS:-tests}" != none ]; then
   # killed it before it printed which test_fuzz example failed)
   # shellcheck disable=SC2086
   step tests tests.log timeout -s INT -k 60 "${TESTS_TIMEOUT:-3000}" $PY -m pytest -m gpu -q -p no:cacheprovider \
-    ${GPU_TESTS:-tests}
+    --durations=15 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:-tests}
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
 norm_tune() {
