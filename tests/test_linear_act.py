@@ -786,7 +786,7 @@ def test_gpu_triton_times_pingpong_against_tma_once(monkeypatch):
         pytest.skip("the ping-pong kernel needs Hopper (sm_90) and Triton's Gluon")
     x, w, b = _inputs(512, 2048, 384, torch.bfloat16, "cuda")
     act_id = reference.activation_id("gelu")
-    key = (x.device, x.dtype, 512, 384, 2048, act_id, False, True)
+    key = (x.device, x.dtype, 512, 384, 2048, act_id, False, True)  # M = 512: its own bucket
     tk._KERNEL_PICK.pop(key, None)
     monkeypatch.setattr(tk, "_AUTOTUNE", True)  # the timing runs only where tuning is on
     calls = []
@@ -802,6 +802,12 @@ def test_gpu_triton_times_pingpong_against_tma_once(monkeypatch):
         y, _ = tk.linear_act_fwd(x, w, b, act_id, False)
         assert len(calls) == (1 if pick else 0)
         assert_rel_close(y, want, torch.bfloat16, what=f"pingpong={pick}")
+        # a batch of 300 rows falls in the same bucket: no new timing, the same kernel
+        calls.clear()
+        picks = len(tk._KERNEL_PICK)
+        y, _ = tk.linear_act_fwd(x[:300], w, b, act_id, False)
+        assert len(tk._KERNEL_PICK) == picks and len(calls) == (1 if pick else 0)
+        assert_rel_close(y, want[:300], torch.bfloat16, what=f"300 rows, pingpong={pick}")
     tk._KERNEL_PICK.pop(key)
 
 

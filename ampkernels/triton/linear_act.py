@@ -236,8 +236,8 @@ def pingpong_enabled(device):
     return torch.cuda.get_device_capability(device)[0] == 9  # wgmma: Hopper only
 
 
-# Which of the two Hopper kernels runs a forward, per (device, dtype, M, N, K, ACT, STORE_PRE,
-# HAS_BIAS): timed once, like the TMA kernel's own autotuning (after it). Neither wins
+# Which of the two Hopper kernels runs a forward, per (device, dtype, M bucket, N, K, ACT,
+# STORE_PRE, HAS_BIAS): timed once, like the TMA kernel's own autotuning (after it). Neither wins
 # everywhere on the H200: the ping-pong kernel ran erf GELU at 0.80 of cuBLAS's plain matmul at
 # 8192x1024x4096 against 0.70 for the tuned TMA kernel, but 0.83 against 0.91 at 8192x4096x4096
 # (benchmarks/results/h200-2026-12-01-35965d5-linear-act.jsonl against -7cf8101-).
@@ -322,7 +322,8 @@ def _fwd(x, weight, bias, act_id, store_pre, tma, pingpong):
 
         if pingpong or (pingpong is None and x.is_cuda and pingpong_enabled(x.device)):
             try:
-                key = (x.device, x.dtype, M, N, K, act_id, store_pre, bias is not None)
+                # M by power-of-two bucket: a new batch size does not time the two again
+                key = (x.device, x.dtype, triton.next_power_of_2(M), N, K, act_id, store_pre, bias is not None)
                 if pingpong or _pingpong_is_faster(key, run_pingpong, run_tma):
                     run_pingpong()
                     return y, pre
