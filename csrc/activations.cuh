@@ -46,8 +46,8 @@ __device__ __forceinline__ float act_grad(float z) {
   } else if constexpr (A == Activation::kSiLU) {
     const float s = 1.f / (1.f + expf(-z));
     return s * (1.f + z * (1.f - s));
-  } else {  // kSquaredReLU
-    return z > 0.f ? 2.f * z : 0.f;
+  } else {  // kSquaredReLU: 2 relu(z), NaN propagating
+    return z > 0.f || z != z ? 2.f * z : 0.f;
   }
 }
 

@@ -242,17 +242,19 @@ try:  # the Triton forward epilogue's activation alone, as a kernel over a 1-D f
     from ampkernels.triton import linear_act as _tk
 
     @triton.jit
-    def _epilogue_act_kernel(z_ptr, y_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    def _epilogue_act_kernel(z_ptr, y_ptr, n, ACT: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(y_ptr + offs, _tk._act_fwd(tl.load(z_ptr + offs, mask=offs < n), ACT), mask=offs < n)
+        z = tl.load(z_ptr + offs, mask=offs < n)
+        y = _tk._act_grad(z, ACT) if GRAD else _tk._act_fwd(z, ACT)
+        tl.store(y_ptr + offs, y, mask=offs < n)
 except ImportError:
     _epilogue_act_kernel = None
 
 
-def _epilogue_act(z, activation):
+def _epilogue_act(z, activation, grad=False):
     y = torch.empty_like(z)
     _epilogue_act_kernel[(triton.cdiv(z.numel(), 1024),)](z, y, z.numel(), ACT=reference.activation_id(activation),
-                                                          BLOCK=1024)
+                                                          GRAD=grad, BLOCK=1024)
     return y
 
 
@@ -285,6 +287,33 @@ def _check_epilogue_act(device):
         assert torch.equal(got_s.isnan(), want_s.isnan()), f"{activation}: NaN at {s[got_s.isnan() != want_s.isnan()]}"
         ok = ~want_s.isnan()
         assert torch.allclose(got_s[ok], want_s[ok], rtol=2e-5, atol=1e-30), f"{activation}: {got_s} != {want_s}"
+
+
+def _check_act_grad(device):
+    """act' (the backward's, in the dz pass and the act'-epilogue GEMM) elementwise against
+    float64: within 2e-5 relative + 1e-6 absolute (act' crosses zero; dz rounds to 16 bits)
+    over dense z in [-12, 12] and down to 1e-30; NaN where torch's formulas give NaN."""
+    mag = torch.cat([torch.linspace(0, 12, 20001, dtype=torch.float64), torch.logspace(-30, 1, 2000, dtype=torch.float64)])
+    z = torch.cat([mag, -mag]).float().to(device)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 100.0, -100.0], device=device)
+    for activation in ACTS:
+        got = _epilogue_act(torch.cat([z, special]), activation, grad=True).cpu().double()
+        want = reference.act_grad(z.cpu().double(), activation)
+        err = (got[:z.numel()] - want).abs() - 2e-5 * want.abs()
+        assert err.max() < 1e-6, f"{activation}: error {err.max():.2e} over tolerance at z={z.cpu()[err.argmax()]}"
+        s = special.cpu().double()
+        got_s, want_s = got[z.numel():], reference.act_grad(s, activation)
+        assert torch.equal(got_s.isnan(), want_s.isnan()), f"{activation}: NaN at {s[got_s.isnan() != want_s.isnan()]}"
+        ok = ~want_s.isnan()
+        assert torch.allclose(got_s[ok], want_s[ok], rtol=2e-5, atol=1e-6), f"{activation}: {got_s} != {want_s}"
+
+
+@needs_triton
+def test_triton_act_grad_math():
+    # under the interpreter: the formulas with exact exp2 and division (the GPU test runs the SFU's)
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers the GPU's fast-math path")
+    _check_act_grad("cpu")
 
 
 @needs_triton
@@ -546,8 +575,24 @@ def test_gpu_backends_match_float64(backend, dtype, activation):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_act_backward_nan_and_inf_as_reference(backend):
+    # the dz pass: NaN where float64 act' gives NaN (inf * 0 for the GELUs and SiLU at +-inf;
+    # NaN in, NaN out, except ReLU's mask), finite elsewhere
+    pre = randn(4, 64, dtype=torch.float16, device="cuda")
+    pre[1, 3], pre[2, 5], pre[3, 7] = float("nan"), float("inf"), -float("inf")
+    dy = randn(4, 64, dtype=torch.float16, device="cuda")
+    for activation in ACTS[1:]:
+        dz = dy.clone()
+        la._act_backward_(dz, pre, activation, False, backend)
+        want = dy.double() * reference.act_grad(pre.double(), activation)
+        assert torch.equal(dz.isnan(), want.isnan()), f"{activation}: NaN at {(dz.isnan() != want.isnan()).nonzero()}"
+
+
+@pytest.mark.gpu
 def test_gpu_triton_epilogue_activation_math():
     _check_epilogue_act("cuda")  # ex2.approx / rcp.approx: the compiled fast-math path
+    _check_act_grad("cuda")
 
 
 @pytest.mark.gpu

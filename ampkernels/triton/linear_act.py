@@ -402,10 +402,11 @@ def _dgrad_configs(tune=_AUTOTUNE):
     if _INTERPRET:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
                               pre_hook=_set_dgrad_block_shapes)]
-    # one program per SM walking tiles, 8 warps: the epilogue holds the fp32 tile, the saved
-    # tile and act' at once. For erf GELU (libdevice erf and exp) ptxas spilled 828 bytes with
-    # 128 x 256 tiles and with 4 warps (scripts/triton_compile_check.py -v): not offered.
-    cfg = [(128, 64, 4, 8), (128, 64, 3, 8)]
+    # one program per SM walking tiles; the epilogue holds the fp32 tile, the saved tile and
+    # act' at once: at most 187 registers a thread for erf GELU, no spills
+    # (scripts/triton_compile_check.py -v; with libdevice's erf and exp, 128 x 256 tiles and
+    # 4 warps spilled 828 bytes)
+    cfg = [(128, 64, 4, 8), (256, 64, 3, 8), (128, 64, 3, 4)]
     cfg = cfg if tune else cfg[:1]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st, num_warps=w,
                           pre_hook=_set_dgrad_block_shapes) for bn, bk, st, w in cfg]
