@@ -18,6 +18,7 @@
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
+# GPU_PROBE=scripts/<probe>.py runs that probe with --out $OUT (PROBE_TIMEOUT caps it).
 # GPU_NCU=1 runs scripts/ncu_norm.sh (Nsight Compute over single norm forward launches; NCU_*
 # variables pass on) into ncu-norm.txt.
 # GPU_NORM_TUNE=1 runs the Triton norm forward's launch sweep (fp16, bf16) into norm-sweep.jsonl
@@ -103,6 +104,9 @@ if [ "${GPU_SANITIZE:-0}" = 1 ]; then
 fi
 if [ "${GPU_NCU:-0}" = 1 ]; then
   step ncu ncu.log env OUT="$OUT" bash scripts/ncu_norm.sh
+fi
+if [ -n "${GPU_PROBE:-}" ]; then  # e.g. GPU_PROBE=scripts/matmul_act_grad_probe.py: writes its own log under $OUT
+  step probe probe.out timeout "${PROBE_TIMEOUT:-600}" $PY "$GPU_PROBE" --out "$OUT"
 fi
 bench_spread() {  # one benchmark module per process, queued round-robin over the $ngpu GPUs
   local ops=$1 i=0 op
