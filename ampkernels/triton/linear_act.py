@@ -22,8 +22,8 @@ one extra elementwise pass costs bandwidth. Where the GEMM producing dy is ours 
 (FusedMLP's backward), `_matmul_act_grad_tma_kernel` applies act' in that GEMM's epilogue.
 
 Activation ids follow ampkernels.reference.ACTIVATIONS. All activation math is fp32 (epilogue.py);
-the forward's GELUs and SiLU use the GPU's approximate ex2/rcp (within 2e-5 relative of float64,
-tests/test_linear_act.py), the backward's act' the libdevice functions.
+the GELUs and SiLU and their derivatives use the GPU's approximate ex2/rcp (within 2e-5 relative
+of float64, tests/test_linear_act.py).
 """
 import functools
 import logging
