@@ -249,9 +249,13 @@ def test_triton_fused_dgrad_gpu(dtype, monkeypatch):
     if not tk.tma_enabled(torch.device("cuda")):
         pytest.skip("TMA needs compute capability 9.0+")
     monkeypatch.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", "1")
+    calls = []
+    original = tk.matmul_act_grad
+    monkeypatch.setattr(tk, "matmul_act_grad", lambda *a: calls.append(a) or original(*a))
     for activation in reference.ACTIVATIONS[1:]:
         _check("triton", activation, dtype, "cuda", factor=4)
         _check("triton", activation, dtype, "cuda", bias=False, m=1, factor=4)
+    assert len(calls) == 2 * (len(reference.ACTIVATIONS) - 1)
 
 
 @pytest.mark.gpu
