@@ -79,6 +79,36 @@ def _linear_case(data, backend, device, dtypes):
     assert torch.isfinite(xg.grad).all()
 
 
+def _mlp_case(data, backend, device, dtype):
+    """fused_mlp forward and every gradient against float64 eager, shapes that TMA can and
+    cannot describe (the act'-epilogue GEMM then declines and the two-step path runs)."""
+    from ampkernels.ops.mlp import fused_mlp
+    from tests.test_mlp import _eager64, _inputs
+    aligned_or_not = lambda top: st.one_of(st.integers(1, top // 8).map(lambda v: 8 * v), st.integers(1, top))  # noqa: E731
+    m, k, h, n = (data.draw(st.integers(1, 40)), data.draw(st.integers(1, 48)), data.draw(aligned_or_not(80)),
+                  data.draw(aligned_or_not(48)))
+    args = _inputs(m, k, h, n, dtype, device, bias=data.draw(st.booleans()))
+    activation = data.draw(st.sampled_from(reference.ACTIVATIONS))
+    out = fused_mlp(*args, activation, backend=backend)
+    ref, ref_args = _eager64(*args, activation)
+    assert_rel_close(out, ref, dtype, factor=4, what="out")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout.double())
+    for name, ours, theirs in zip(("x", "w1", "b1", "w2", "b2"), args, ref_args):
+        if ours is not None:
+            assert_rel_close(ours.grad, theirs.grad, dtype, factor=4, what=f"d{name} ({m}x{k}x{h}x{n} {activation})")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU tier (Triton interpreter)")
+@CPU
+@given(st.data())
+def test_fused_mlp_triton_fused_dgrad_interpreter(data):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", "1")
+        _mlp_case(data, "triton", "cpu", torch.float16)
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="CPU tier (Triton interpreter)")
 @CPU
 @given(st.data())
@@ -114,3 +144,13 @@ def test_norms_gpu(backend, data):
 @given(data=st.data())
 def test_linear_act_gpu(backend, data):
     _linear_case(data, backend, "cuda", [torch.float16, torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, fused_dgrad", [("cuda", "0"), ("triton", "0"), ("triton", "1")])
+@GPU
+@given(data=st.data())
+def test_fused_mlp_gpu(backend, fused_dgrad, data):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", fused_dgrad)
+        _mlp_case(data, backend, "cuda", data.draw(st.sampled_from([torch.float16, torch.bfloat16])))
