@@ -84,7 +84,7 @@ def _mlp_case(data, backend, device, dtype):
     cannot describe (the act'-epilogue GEMM then declines and the two-step path runs)."""
     from ampkernels.ops.mlp import fused_mlp
     from tests.test_mlp import _eager64, _inputs
-    aligned_or_not = lambda top: st.one_of(st.integers(1, top // 8).map(lambda v: 8 * v), st.integers(1, top))  # noqa: E731
+    aligned_or_not = lambda top: st.one_of(st.integers(1, top // 8).map(lambda v: 8 * v), st.integers(1, top))
     m, k, h, n = (data.draw(st.integers(1, 40)), data.draw(st.integers(1, 48)), data.draw(aligned_or_not(80)),
                   data.draw(aligned_or_not(48)))
     args = _inputs(m, k, h, n, dtype, device, bias=data.draw(st.booleans()))
