@@ -887,8 +887,8 @@ def test_pingpong_is_on_by_default_and_hopper_only(monkeypatch):
     from ampkernels.triton import linear_act as tk
     monkeypatch.setattr(tk, "tma_enabled", lambda device: True)
     monkeypatch.setattr(tk._pingpong, "available", lambda: True)
-    capability = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    capability = [9]
+    monkeypatch.setattr(tk, "_cc_major", lambda device: capability[0])
     device = torch.device("cuda")
     monkeypatch.delenv("AMPKERNELS_TRITON_PINGPONG", raising=False)
     assert tk.pingpong_enabled(device)
@@ -896,5 +896,5 @@ def test_pingpong_is_on_by_default_and_hopper_only(monkeypatch):
     assert not tk.pingpong_enabled(device)
     monkeypatch.setenv("AMPKERNELS_TRITON_PINGPONG", "1")
     assert tk.pingpong_enabled(device)
-    capability[0] = (10, 0)  # wgmma is Hopper's alone
+    capability[0] = 10  # wgmma is Hopper's alone
     assert not tk.pingpong_enabled(device)

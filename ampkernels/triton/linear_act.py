@@ -216,7 +216,16 @@ def tma_enabled(device):
     if (TensorDescriptor is None or os.environ.get("AMPKERNELS_TRITON_TMA", "1") == "0"
             or _TMA_STATE["broken"] is not None or _INTERPRET):
         return False
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and _cc_major(device) >= 9
+
+
+def _cc_major(device):
+    return _cc_major_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(None)
+def _cc_major_of(device_index):
+    return torch.cuda.get_device_capability(device_index)[0]  # microseconds a call uncached, on every launch
 
 
 @functools.lru_cache(None)
@@ -233,7 +242,7 @@ def pingpong_enabled(device):
     if (not _pingpong.available() or os.environ.get("AMPKERNELS_TRITON_PINGPONG", "1") == "0"
             or _PINGPONG_STATE["broken"] is not None or not tma_enabled(device)):
         return False
-    return torch.cuda.get_device_capability(device)[0] == 9  # wgmma: Hopper only
+    return _cc_major(device) == 9  # wgmma: Hopper only
 
 
 # Which of the two Hopper kernels runs a forward, per (device, dtype, M bucket, N, K, ACT,
