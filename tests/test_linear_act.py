@@ -219,9 +219,15 @@ def test_triton_matmul_act_grad_kernel(activation):
 
 @needs_triton
 def test_triton_matmul_act_grad_declines_what_tma_cannot_describe():
+    if HAS_CUDA:
+        pytest.skip("CPU tier: the interpreter stands in for a TMA-capable GPU")
     from ampkernels.triton import linear_act as tk
     g, w = randn(8, 13, dtype=torch.float16), randn(13, 16, dtype=torch.float16)  # 26-byte rows
     assert tk.matmul_act_grad(g, w, randn(8, 16, dtype=torch.float16), 2, True) is None
+    g, w, s = randn(8, 16, dtype=torch.float16), randn(16, 16, dtype=torch.float16), randn(8, 16, dtype=torch.float16)
+    assert tk.matmul_act_grad(g, w.t(), s, 2, True) is None  # a transposed view
+    assert tk.matmul_act_grad(g, w.bfloat16(), s, 2, True) is None  # mixed dtypes
+    assert tk.matmul_act_grad(g, w, s, 2, True) is not None
 
 
 @pytest.mark.gpu

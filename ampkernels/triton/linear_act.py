@@ -465,6 +465,8 @@ def matmul_act_grad(g, weight, saved, act_id, want_dbias, tma=None):
     usable = (_INTERPRET or tma_enabled(g.device)) if tma is None else tma
     if TensorDescriptor is None or not usable or min(M, N, K) == 0:
         return None
+    if any(t.dtype != g.dtype or not t.is_contiguous() for t in (g, weight, saved)):
+        return None
     dz = torch.empty_like(saved)
     if not _tma_ok(g, weight, saved, dz):
         return None
