@@ -802,8 +802,8 @@ def test_gpu_triton_tma_kernel_is_live_on_hopper():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_triton_hopper_kernels(dtype):
-    # both Hopper kernels, each forced (the ping-pong kernel and the TMA kernel's first config:
-    # this file turns autotuning off), every activation, bias or not, pre stored or not.
+    # both Hopper kernels, each forced (the ping-pong kernel and, in bf16, the TMA kernel's first
+    # config: this file turns autotuning off), every activation, bias or not, pre stored or not.
     # 5000 x 1000 (ragged in M, N and K = 776) is 320 tiles: several per program, so both
     # ping-pong consumers run and take turns; 2 x 24 x 8 is one tile with one consumer idle.
     # One compile per variant for both shapes: Triton specializes integer arguments equal to 1
@@ -814,7 +814,7 @@ def test_gpu_triton_hopper_kernels(dtype):
     for m, k, n in ((5000, 776, 1000), (2, 24, 8)):
         x, w, b = _inputs(m, k, n, dtype, "cuda")
         want_pre = reference.linear_act(x.double(), w.double(), b.double(), "identity")
-        for activation, pingpong in itertools.product(ACTS, (True, False)):
+        for activation, pingpong in itertools.product(ACTS, (True, False) if dtype == torch.bfloat16 else (True,)):
             act_id = reference.activation_id(activation)
             want_y = reference.linear_act(x.double(), w.double(), b.double(), activation)
             for store_pre in (True, False):
