@@ -199,6 +199,10 @@ class LinearActFunction(torch.autograd.Function):
 # Against d7c2ee3 the Triton forward (SFU epilogues, two programs per SM) now takes erf GELU
 # at "medium" (0.70-0.73 of matmul against cuda's 0.66) and more "large" cells; large-bucket
 # cells within ~3% of each other (fp16 ReLU: eager, bf16 erf GELU: cuda) follow run-to-run noise.
+# The run at 35965d5 (Triton's erf GELU / SiLU forward on the Hopper ping-pong kernel,
+# h200-2026-12-01-35965d5-linear-act.jsonl) gives the same inference cells for erf GELU and
+# SiLU under this rule except bf16 "large" erf GELU (eager, cuda and triton within 5%); its
+# training cells moved with the host's jitter (see below), so the table stays as filled.
 # Not measured (identity, squared_relu, other GPUs): the default, cuBLASLt first -- its fused
 # epilogues cost nothing for bias/relu/gelu_tanh, and its unfused path (GEMM+bias, then the
 # activation in place) does the same work as eager.
