@@ -201,7 +201,7 @@ class LinearActFunction(torch.autograd.Function):
 # cells within ~3% of each other (fp16 ReLU: eager, bf16 erf GELU: cuda) follow run-to-run noise.
 # The run at 35965d5 (Triton's erf GELU / SiLU forward on the Hopper ping-pong kernel,
 # h200-2026-12-01-35965d5-linear-act.jsonl) gives the same inference cells for erf GELU and
-# SiLU under this rule except bf16 "large" erf GELU (eager, cuda and triton within 5%); its
+# SiLU under this rule except bf16 "large" erf GELU (eager fastest, triton +5%, cuda +9%); its
 # training cells moved with the host's jitter (see below), so the table stays as filled.
 # Not measured (identity, squared_relu, other GPUs): the default, cuBLASLt first -- its fused
 # epilogues cost nothing for bias/relu/gelu_tanh, and its unfused path (GEMM+bias, then the
