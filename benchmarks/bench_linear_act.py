@@ -294,5 +294,52 @@ def report(rows):
     return lines
 
 
+def auto_table(rows):
+    """ampkernels/ops/linear_act.py's _MEASURED from benchmark rows: per (dtype, shape bucket,
+    training) and activation column, the backends fastest first, by time summed over the
+    bucket's shapes; a fused kernel within 1% of eager counts as a tie and is kept.
+    tests/test_cli.py checks that the committed table is what its source run gives."""
+    from ampkernels.ops import linear_act as la
+
+    ms = {}
+    for r in rows:
+        if r.get("op") == OP and r.get("metric") == "TFLOP/s" and r["provider"] in _AUTO_PROVIDERS:
+            key = (getattr(torch, r["dtype"]), la._shape_bucket(r["M"], r["N"], r["K"]), r["pass"] == "fwd_bwd",
+                   r["activation"], _AUTO_PROVIDERS[r["provider"]])
+            ms[key] = ms.get(key, 0.0) + r["ms"]
+    table = {}
+    for dtype, bucket, training in {k[:3] for k in ms}:
+        prefs = []
+        for act in la._ACT_COLUMNS:
+            cuda, triton, eager = (ms.get((dtype, bucket, training, act, b)) for b in ("cuda", "triton", "torch"))
+            if None in (cuda, triton, eager):
+                break
+            prefs.append(("torch",) if min(cuda, triton) > 1.01 * eager else
+                         ("cuda", "triton") if cuda <= triton else ("triton", "cuda"))
+        else:
+            table[(dtype, bucket, training)] = tuple(prefs)
+    return table
+
+
+_AUTO_PROVIDERS = {"ampkernels-cuda": "cuda", "ampkernels-triton": "triton", "eager": "torch"}
+
+
+def _print_auto_table(path):
+    import json
+
+    with open(path) as f:
+        table = auto_table([json.loads(line) for line in f if line.strip()])
+    names = {("cuda", "triton"): "_C", ("triton", "cuda"): "_T", ("torch",): "_E"}
+    order = {"small": 0, "medium": 1, "large": 2}
+    for (dtype, bucket, training), prefs in sorted(table.items(), key=lambda kv: (str(kv[0][0]), kv[0][2],
+                                                                                 order[kv[0][1]])):
+        print(f"    ({dtype}, \"{bucket}\", {training}): ({', '.join(names[p] for p in prefs)}),")
+
+
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--auto-table"]:  # python -m benchmarks.bench_linear_act --auto-table results.jsonl
+        _print_auto_table(sys.argv[2])
+        raise SystemExit(0)
     raise SystemExit(standalone_main("linear_act", __doc__, run, report))

@@ -246,3 +246,17 @@ def test_reports_name_the_best_public_provider():
 
     lines = bl.report([lin("ampkernels-cuda", 600), lin("apex", 500, provider_version="0.1")])
     assert any("1.200x best public [apex] (>= 1.0) PASS" in line for line in lines), lines
+
+
+def test_linear_act_auto_table_is_what_its_source_run_gives():
+    # ampkernels/ops/linear_act.py's "auto" table, recomputed by its rule from the H200 run it
+    # names: a hand edit of the table, or of the rule, shows here
+    from ampkernels.ops import linear_act as la
+    from benchmarks import bench_linear_act as bl
+    with open(os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-30-7cf8101-linear-act.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert bl.auto_table(rows) == la._MEASURED
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_linear_act", "--auto-table",
+                          os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-30-7cf8101-linear-act.jsonl")],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert '(torch.float16, "medium", False): (_C, _C, _T, _T),' in out and len(out.splitlines()) == 12
