@@ -23,7 +23,6 @@ the pre-activation (one GEMM) in backward. dbias is accumulated in fp32.
 Pieces, in the order data meets them: custom ops (forward, backward) with fake
 implementations -> autograd Function (custom_fwd/custom_bwd) -> "auto" table -> functional API.
 """
-import functools
 from typing import Optional
 
 import torch
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, reference
+from ..triton import device_index, device_properties
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _ACT_SET = frozenset(reference.ACTIVATIONS)
@@ -247,14 +247,8 @@ def auto_preference(device, dtype, activation, m, n, k, training=False):
     return _preference(device, dtype, activation, _shape_bucket(m, n, k), training)
 
 
-@functools.lru_cache(None)
-def _cc_major(device_index):
-    return torch.cuda.get_device_capability(device_index)[0]  # a few microseconds per call uncached
-
-
 def _preference(device, dtype, activation, bucket, training):
-    cc = _cc_major(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 0
+    cc = device_properties(device_index(device)).major if device.type == "cuda" else 0
     pref = _AUTO_TABLE.get((cc, dtype, activation, bucket, training), _AUTO_DEFAULT)
     if torch.are_deterministic_algorithms_enabled():
         # Triton's autotuner picks tiles by timing, so the bits may differ between processes;

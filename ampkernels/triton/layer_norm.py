@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import cdiv, on_device
+from . import cdiv, device_index, device_properties, on_device
 
 _MAX_FWD_BLOCK = 16384  # elements of a row held in registers by the forward
 _MAX_BWD_BLOCK = 8192   # ... by the backward with x, dy, weight and the dweight/dbias sums (16384 spills)
@@ -384,22 +384,16 @@ def _col_sum_kernel(P, OUT0, OUT1, num_rows, N, BLOCK_R: tl.constexpr, BLOCK_C: 
         tl.store(OUT1 + cols, tl.sum(acc, axis=0).to(OUT1.dtype.element_ty), mask=cmask)
 
 
-@functools.lru_cache(None)
-def _device_props(device_index):
-    p = torch.cuda.get_device_properties(device_index)
-    return p.multi_processor_count, getattr(p, "shared_memory_per_block_optin", 0) or p.shared_memory_per_block
-
-
 def _sms(device):
-    return _device_props(_index(device))[0] if device.type == "cuda" else 2  # TRITON_INTERPRET=1 on CPU tensors
+    # TRITON_INTERPRET=1 on CPU tensors: 2
+    return device_properties(device_index(device)).multi_processor_count if device.type == "cuda" else 2
 
 
 def _smem_per_program(device):
-    return _device_props(_index(device))[1] if device.type == "cuda" else 1 << 30
-
-
-def _index(device):
-    return device.index if device.index is not None else torch.cuda.current_device()
+    if device.type != "cuda":
+        return 1 << 30
+    p = device_properties(device_index(device))
+    return getattr(p, "shared_memory_per_block_optin", 0) or p.shared_memory_per_block
 
 
 # Launch configurations. Measured BEFORE the pipelined backward (benchmarks/bench_layer_norm.py

@@ -25,7 +25,6 @@ Activation ids follow ampkernels.reference.ACTIVATIONS. All activation math is f
 the GELUs and SiLU and their derivatives use the GPU's approximate ex2/rcp (within 2e-5 relative
 of float64, tests/test_linear_act.py).
 """
-import functools
 import logging
 import os
 
@@ -33,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cdiv, on_device
+from . import cdiv, device_index, device_properties, on_device
 from . import linear_act_pingpong as _pingpong
 from .epilogue import _act_fwd, _act_grad, _tile_origin
 
@@ -220,17 +219,13 @@ def tma_enabled(device):
 
 
 def _cc_major(device):
-    return _cc_major_of(device.index if device.index is not None else torch.cuda.current_device())
+    return device_properties(device_index(device)).major
 
 
-@functools.lru_cache(None)
-def _cc_major_of(device_index):
-    return torch.cuda.get_device_capability(device_index)[0]  # microseconds a call uncached, on every launch
-
-
-@functools.lru_cache(None)
-def _num_sms(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _programs(x):
+    """Programs of a persistent launch: one per SM on a GPU (each strides over the tiles by that
+    count); unbounded in the interpreter, where each program takes one tile."""
+    return device_properties(device_index(x.device)).multi_processor_count if x.is_cuda else 1 << 30
 
 
 _PINGPONG_STATE = {"broken": None}  # set to the error if a ping-pong launch ever fails
@@ -306,12 +301,7 @@ def _fwd(x, weight, bias, act_id, store_pre, tma, pingpong):
         if store_pre:
             pre.copy_(z)
         return y, pre
-    # persistent on a GPU: at most one program per SM, each striding over tiles by that count
-    # (when there are fewer tiles, each program takes one and the stride never matters)
-    if x.is_cuda:
-        programs = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    else:
-        programs = 1 << 30
+    programs = _programs(x)  # (when there are fewer tiles, each program takes one)
 
     def grid(meta):
         return (min(programs * meta.get("PER_SM", 1), cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
@@ -471,8 +461,7 @@ def matmul_act_grad(g, weight, saved, act_id, want_dbias, tma=None):
     if not _tma_ok(g, weight, saved, dz):
         return None
     part = torch.empty((cdiv(M, _DGRAD_BLOCK_M), N), dtype=torch.float32, device=g.device) if want_dbias else dz
-    programs = _num_sms(g.device.index if g.device.index is not None else torch.cuda.current_device()) \
-        if g.is_cuda else 1 << 30
+    programs = _programs(g)
 
     def grid(meta):
         return (min(programs, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
