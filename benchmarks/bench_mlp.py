@@ -15,6 +15,7 @@ Rows without held_after_fwd_MiB (before 2026-11-30 session 3) measured the peak 
 """
 import copy
 import os
+from unittest import mock
 
 import torch
 
@@ -80,12 +81,8 @@ def _step_time(recorder, name, block, eager, dtype, tokens, hidden, quick):
     else:
         f = block
     x = torch.randn(tokens, hidden, device="cuda", requires_grad=True)
-    os.environ.update(_PROVIDER_ENV.get(name, {}))
-    try:
+    with mock.patch.dict(os.environ, _PROVIDER_ENV.get(name, {})):  # restored afterwards
         _measure_step(recorder, name, f, x, dtype, tokens, hidden, quick)
-    finally:
-        for var in _PROVIDER_ENV.get(name, {}):
-            os.environ.pop(var)
 
 
 def _measure_step(recorder, name, f, x, dtype, tokens, hidden, quick):
