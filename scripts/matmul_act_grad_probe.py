@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from ampkernels import _extension
 from ampkernels.benchmarks.common import graph_replay_ms
 from ampkernels.ops import linear_act as la
 from ampkernels.reference import activation_id
@@ -40,6 +41,8 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--acts", nargs="+", default=["gelu_tanh", "gelu", "silu"])
     args = ap.parse_args()
+    # the CUDA ops register when the extension loads (the backend check does it for the public API)
+    assert _extension.load(), "ampkernels._C did not load: the 'cuda' column needs it"
     rows = []
     with open(os.path.join(args.out, "matmul-act-grad.log"), "w") as log:
         def say(line):
