@@ -355,7 +355,9 @@ def _linear_act_dz_kernel(dy_ptr, s_ptr, dz_ptr, part_ptr, M, N, ACT: tl.constex
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col = tl.zeros((BLOCK_N,), tl.float32)
+    # dbias partials summed elementwise over the row steps and across rows once at the end: a
+    # cross-warp tl.sum per row step halved the pass's bandwidth (scripts/dz_pass_probe.py)
+    col = tl.zeros((SUB_M, BLOCK_N), tl.float32)
     for r in tl.static_range(0, BLOCK_M, SUB_M):
         offs_m = pid_m * BLOCK_M + r + tl.arange(0, SUB_M)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -365,9 +367,9 @@ def _linear_act_dz_kernel(dy_ptr, s_ptr, dz_ptr, part_ptr, M, N, ACT: tl.constex
         dz = (dy * _act_grad(s, ACT)).to(dz_ptr.dtype.element_ty)
         tl.store(dz_ptr + off, dz, mask=mask)
         if WANT_PARTIAL:  # dbias = column sums of dz as stored, accumulated in fp32 in a fixed order
-            col += tl.sum(tl.where(mask, dz.to(tl.float32), 0.0), axis=0)
+            col += tl.where(mask, dz.to(tl.float32), 0.0)
     if WANT_PARTIAL:
-        tl.store(part_ptr + pid_m * N + offs_n, col, mask=offs_n < N)
+        tl.store(part_ptr + pid_m * N + offs_n, tl.sum(col, axis=0), mask=offs_n < N)
 
 
 def linear_act_dz(dy, saved, act_id, want_dbias, out=None):
