@@ -199,6 +199,7 @@ def launch_everything(max_shared):
             for tma in (True, False):
                 tla.linear_act_fwd(x, w, bias, act_id, True, tma=tma)
             tla.linear_act_dz(y, y, act_id, True)
+            tla.act_forward(y, act_id)
             tla.matmul_act_grad(x, w.t().contiguous(), y, act_id, True, tma=True)
         for tma in (True, False):
             tla.linear_act_fwd(x, w, None, gelu, False, tma=tma)

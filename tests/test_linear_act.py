@@ -191,6 +191,25 @@ def test_triton_dz_kernel(activation):
     assert_rel_close(db, dz.double().sum(0), torch.float32)
 
 
+def _check_act_forward(dtype, device):
+    # fused_mlp's Triton backward recomputes h = act(pre) with act_forward: the forward's
+    # epilogue formulas on the pre-activation it stored, so the same bits as the forward's output
+    from ampkernels.triton import linear_act as tk
+    x, w, b = _inputs(70, 48, 40, dtype, device)
+    for activation in ACTS:
+        y, pre = tk.linear_act_fwd(x, w, b, reference.activation_id(activation), True)
+        h = tk.act_forward(pre, reference.activation_id(activation))
+        assert h.dtype == dtype and torch.equal(h, y), f"{activation}: {(h != y).sum()} elements differ"
+    assert tk.act_forward(pre[:0], 3).shape == (0, 40)
+
+
+@needs_triton
+def test_triton_act_forward_is_the_forward_epilogue():
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers triton on CUDA tensors")
+    _check_act_forward(torch.float16, "cpu")
+
+
 def _check_matmul_act_grad(m, k, n, activation, dtype, device):
     # one GEMM with act' and the bias-gradient partials in its epilogue, against float64
     from ampkernels.triton import linear_act as tk
@@ -593,6 +612,12 @@ def test_gpu_act_backward_nan_and_inf_as_reference(backend):
         la._act_backward_(dz, pre, activation, False, backend)
         want = dy.double() * reference.act_grad(pre.double(), activation)
         assert torch.equal(dz.isnan(), want.isnan()), f"{activation}: NaN at {(dz.isnan() != want.isnan()).nonzero()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_triton_act_forward_is_the_forward_epilogue(dtype):
+    _check_act_forward(dtype, "cuda")
 
 
 @pytest.mark.gpu

@@ -8,9 +8,10 @@ elementwise pass. Eager Linear -> act -> Linear keeps both (two hidden-sized ten
 Eager calls run the implementations directly; torch.compile and opcheck see the custom ops
 (linear_act's _eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
 storing the pre-activation, then a GEMM + bias. Backward, ordered so that at most two
-hidden-sized tensors are alive (pre and one more): h recomputed by the bias_act kernel, dw2
-(+ db2) from it, h freed; dh = dout W2 with act'(pre) applied to it in place (dh is the
-backward's own temporary); then layer 1's GEMMs (bias gradients accumulated in fp32).
+hidden-sized tensors are alive (pre and one more): h recomputed by the bias_act kernel (Triton:
+act_forward, the forward epilogue's formulas: the forward's bits), dw2 (+ db2) from it, h freed;
+dh = dout W2 with act'(pre) applied to it in place (dh is the backward's own temporary); then
+layer 1's GEMMs (bias gradients accumulated in fp32).
 tests/memory.py measures this on CPU (`python -m tests.memory`). Pieces in data order:
 custom ops (forward, backward) with fakes -> autograd Function -> functional API.
 
@@ -45,7 +46,11 @@ def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
     # At most two hidden-sized tensors alive: pre (saved) and one of h, dh/dz, in this order.
     # 1. layer 2's weight (and bias) gradient from the recomputed post-activation h, which is
     #    freed before dh exists (cuda: the bias gradient fused into the weight-gradient GEMM)
-    h, _ = _bias_act_fwd(pre, None, activation, False, "cuda" if backend == "cuda" else "torch")
+    if backend == "triton":  # the forward epilogue's formulas on the same pre: h bit for bit
+        from ..triton import linear_act as tk
+        h = tk.act_forward(pre, reference.activation_id(activation))
+    else:
+        h, _ = _bias_act_fwd(pre, None, activation, False, "cuda" if backend == "cuda" else "torch")
     _, dw2, db2 = _la_bwd(dout, h, w2, None, "identity", False, True, b2_dtype is not None, backend)
     del h
     # 2. dh = dout W2, then dz = dh * act'(pre) IN PLACE: dh is this function's own temporary

@@ -392,6 +392,28 @@ def linear_act_dz(dy, saved, act_id, want_dbias, out=None):
     return dz, (part.sum(0) if want_dbias else None)
 
 
+@triton.jit
+def _act_fwd_pass_kernel(pre_ptr, y_ptr, numel, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    pre = tl.load(pre_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, _act_fwd(pre, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def act_forward(pre, act_id):
+    """act(pre) in pre's dtype, for a contiguous pre: the forward epilogue's formulas applied to
+    the rounded pre-activation it stored, so the result is the forward's output bit for bit
+    (fused_mlp's backward recomputes its hidden activation with it)."""
+    assert pre.is_contiguous(), "act_forward: pre must be contiguous"
+    y = torch.empty_like(pre)
+    if pre.numel():
+        BLOCK = 1024 if _INTERPRET else 4096  # 32 elements a thread at 4 warps: 16-byte vectors
+        with on_device(pre):
+            _act_fwd_pass_kernel[(cdiv(pre.numel(), BLOCK),)](pre, y, pre.numel(), ACT=act_id, BLOCK=BLOCK,
+                                                            num_warps=4)
+    return y
+
+
 # ---------------------------------------------------------------- GEMM with act' in its epilogue
 
 # BLOCK_M is the same in every config: the dbias partials then have one row per tile row
