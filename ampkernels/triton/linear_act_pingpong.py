@@ -179,10 +179,13 @@ if gluon is not None:
         return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
 
 
-def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs):
+def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs, block_k=BLOCK_K, stages=STAGES,
+                            group=GROUP_M):
     """y = act(x W^T + b) into y (and x W^T + b into pre when pre is not None); x (M, K), weight
     (N, K), y/pre (M, N), 16-bit, one dtype, TMA-ready (linear_act._tma_ok); M, N, K > 0.
-    programs: SMs to use (one program each)."""
+    programs: SMs to use (one program each). block_k / stages / group: the K step, the operand
+    ring's depth and the tile walk's band height, left at the defaults but by
+    scripts/pingpong_probe.py, which times other choices."""
     M, K = x.shape
     N = weight.shape[0]
 
@@ -192,7 +195,7 @@ def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs):
     y_desc = desc(y, BLOCK_M, BLOCK_N)
     grid = (min(programs, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)),)
     _linear_act_pingpong_kernel[grid](
-        desc(x, BLOCK_M, BLOCK_K), desc(weight, BLOCK_N, BLOCK_K), y_desc,
+        desc(x, BLOCK_M, block_k), desc(weight, BLOCK_N, block_k), y_desc,
         desc(pre, BLOCK_M, BLOCK_N) if pre is not None else y_desc, bias if bias is not None else x, M, N, K,
-        ACT=act_id, HAS_BIAS=bias is not None, STORE_PRE=pre is not None, GROUP=GROUP_M, NSTAGE=STAGES,
+        ACT=act_id, HAS_BIAS=bias is not None, STORE_PRE=pre is not None, GROUP=group, NSTAGE=stages,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
