@@ -297,8 +297,10 @@ def report(rows):
 def auto_table(rows):
     """ampkernels/ops/linear_act.py's _MEASURED from benchmark rows: per (dtype, shape bucket,
     training) and activation column, the backends fastest first, by time summed over the
-    bucket's shapes; a fused kernel within 1% of eager counts as a tie and is kept.
-    tests/test_cli.py checks that the committed table is what its source run gives."""
+    bucket's shapes; a fused kernel within 1% of eager counts as a tie and is kept. rows may
+    hold several runs of the same cases: their times add up, a mean over the runs (host-bound
+    cells move 2x between runs on the H200 machine). tests/test_cli.py checks that the committed
+    table is what its source run gives."""
     from ampkernels.ops import linear_act as la
 
     ms = {}
@@ -324,11 +326,14 @@ def auto_table(rows):
 _AUTO_PROVIDERS = {"ampkernels-cuda": "cuda", "ampkernels-triton": "triton", "eager": "torch"}
 
 
-def _print_auto_table(path):
+def _print_auto_table(paths):
     import json
 
-    with open(path) as f:
-        table = auto_table([json.loads(line) for line in f if line.strip()])
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    table = auto_table(rows)
     names = {("cuda", "triton"): "_C", ("triton", "cuda"): "_T", ("torch",): "_E"}
     order = {"small": 0, "medium": 1, "large": 2}
     for (dtype, bucket, training), prefs in sorted(table.items(), key=lambda kv: (str(kv[0][0]), kv[0][2],
@@ -339,7 +344,7 @@ def _print_auto_table(path):
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:2] == ["--auto-table"]:  # python -m benchmarks.bench_linear_act --auto-table results.jsonl
-        _print_auto_table(sys.argv[2])
+    if sys.argv[1:2] == ["--auto-table"]:  # python -m benchmarks.bench_linear_act --auto-table RUN.jsonl [RUN2.jsonl ...]
+        _print_auto_table(sys.argv[2:])
         raise SystemExit(0)
     raise SystemExit(standalone_main("linear_act", __doc__, run, report))

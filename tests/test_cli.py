@@ -260,3 +260,8 @@ def test_linear_act_auto_table_is_what_its_source_run_gives():
                           os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-30-7cf8101-linear-act.jsonl")],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert '(torch.float16, "medium", False): (_C, _C, _T, _T),' in out and len(out.splitlines()) == 12
+    # several runs: their times add up; one run given twice is its own mean
+    twice = subprocess.run([sys.executable, "-m", "benchmarks.bench_linear_act", "--auto-table"] + 2 * [
+        os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-30-7cf8101-linear-act.jsonl")],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert twice == out

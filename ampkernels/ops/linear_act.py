@@ -195,7 +195,7 @@ class LinearActFunction(torch.autograd.Function):
 # reproduces the previous table from the d7c2ee3 run exactly): per cell the fastest of cuda /
 # triton / torch (eager F.linear + activation) over the bucket's shapes, times summed; a fused
 # kernel within 1% of eager counts as a tie and is kept. That rule is benchmarks/
-# bench_linear_act.py's auto_table (`python -m benchmarks.bench_linear_act --auto-table FILE`
+# bench_linear_act.py's auto_table (`python -m benchmarks.bench_linear_act --auto-table FILE [FILE ...]`
 # prints the rows below from a run; tests/test_cli.py checks them against 7cf8101's).
 # Buckets by M*N*K: "small" < 2^34 (4096x768x3072), "medium" < 2^37 (8192x1024x4096), "large"
 # (8192x4096x{4096,16384}).
