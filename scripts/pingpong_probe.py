@@ -1,6 +1,7 @@
 """The Hopper ping-pong forward (ampkernels/triton/linear_act_pingpong.py) under other K steps,
-operand-ring depths and tile-walk band heights, beside cuBLAS's plain matmul and the tuned TMA
-kernel, as CUDA-graph replays (GPU time only), inference (no pre stored), bf16.
+operand-ring depths and tile-walk band heights, and the cooperative 256 x 128 kernel
+(linear_act_coop.py), beside cuBLAS's plain matmul and the tuned TMA kernel, as CUDA-graph
+replays (GPU time only), inference (no pre stored), bf16.
     python scripts/pingpong_probe.py [--out DIR] [--acts gelu silu relu]
 Each variant's output is checked against F.linear + the activation in fp32 before it is timed.
 All variants compile for sm_90 within the H200's 227 KB of shared memory (5 stages of 64: 224 KB).
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from ampkernels.benchmarks.common import graph_replay_ms
 from ampkernels.reference import ACTIVATIONS, act_fwd
 from ampkernels.triton import linear_act as tla
+from ampkernels.triton import linear_act_coop as coop
 from ampkernels.triton import linear_act_pingpong as pp
 
 # (M, K, N): the linear_act benchmark's shapes and FusedMLP's first GEMM in the MLP benchmark
@@ -51,8 +53,20 @@ def _probe_shape(say, rows, m, k, n, acts, programs):
             t = _us(run) if err < 1e-2 else float("nan")
             say(f"{m}x{k}x{n} {act:5s} ping-pong BK {bk:3d} stages {stages} group {group:2d} {t:7.1f} us  "
                 f"ratio {mm / t:.3f}  max rel err {err:.1e}")
-            rows.append({"M": m, "K": k, "N": n, "act": act, "block_k": bk, "stages": stages, "group": group,
-                         "us": t, "matmul_us": mm, "tma_us": tma, "max_rel_err": err})
+            rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": "pingpong", "block_k": bk, "stages": stages,
+                         "group": group, "us": t, "matmul_us": mm, "tma_us": tma, "max_rel_err": err})
+
+        def run_coop(aid=aid):
+            coop.linear_act_fwd_coop(x, w, b, aid, y, None, programs)
+
+        y.zero_()
+        run_coop()
+        err = ((y.float() - want).abs().max() / want.abs().max()).item()
+        t = _us(run_coop) if err < 1e-2 else float("nan")
+        say(f"{m}x{k}x{n} {act:5s} cooperative 256x128 + epilogue warpgroup {t:7.1f} us  ratio {mm / t:.3f}  "
+            f"max rel err {err:.1e}")
+        rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": "coop", "us": t, "matmul_us": mm, "tma_us": tma,
+                     "max_rel_err": err})
 
 
 def main():
