@@ -23,6 +23,8 @@ from ampkernels.triton import linear_act_pingpong as pp
 SHAPES = [(4096, 768, 3072), (8192, 1024, 4096), (8192, 4096, 4096), (8192, 4096, 16384), (16384, 1024, 4096)]
 # (block_k, stages, group): the default first
 VARIANTS = [(pp.BLOCK_K, pp.STAGES, pp.GROUP_M), (64, 5, 8), (128, 2, 8), (32, 8, 8), (64, 4, 16), (64, 4, 4)]
+# the cooperative kernel's (block_k, stages), its default first
+COOP_VARIANTS = [(coop.BLOCK_K, coop.STAGES), (32, 6)]
 
 
 def _us(fn):
@@ -56,17 +58,18 @@ def _probe_shape(say, rows, m, k, n, acts, programs):
             rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": "pingpong", "block_k": bk, "stages": stages,
                          "group": group, "us": t, "matmul_us": mm, "tma_us": tma, "max_rel_err": err})
 
-        def run_coop(aid=aid):
-            coop.linear_act_fwd_coop(x, w, b, aid, y, None, programs)
+        for bk, stages in COOP_VARIANTS:
+            def run_coop(aid=aid, bk=bk, stages=stages):
+                coop.linear_act_fwd_coop(x, w, b, aid, y, None, programs, block_k=bk, stages=stages)
 
-        y.zero_()
-        run_coop()
-        err = ((y.float() - want).abs().max() / want.abs().max()).item()
-        t = _us(run_coop) if err < 1e-2 else float("nan")
-        say(f"{m}x{k}x{n} {act:5s} cooperative 256x128 + epilogue warpgroup {t:7.1f} us  ratio {mm / t:.3f}  "
-            f"max rel err {err:.1e}")
-        rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": "coop", "us": t, "matmul_us": mm, "tma_us": tma,
-                     "max_rel_err": err})
+            y.zero_()
+            run_coop()
+            err = ((y.float() - want).abs().max() / want.abs().max()).item()
+            t = _us(run_coop) if err < 1e-2 else float("nan")
+            say(f"{m}x{k}x{n} {act:5s} cooperative BK {bk:3d} stages {stages}      {t:7.1f} us  ratio {mm / t:.3f}  "
+                f"max rel err {err:.1e}")
+            rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": "coop", "block_k": bk, "stages": stages,
+                         "us": t, "matmul_us": mm, "tma_us": tma, "max_rel_err": err})
 
 
 def main():

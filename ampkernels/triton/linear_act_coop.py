@@ -188,10 +188,11 @@ if gluon is not None:
                            [MMA_REGS, EPILOGUE_REGS, PRODUCER_REGS])
 
 
-def linear_act_fwd_coop(x, weight, bias, act_id, y, pre, programs, stages=STAGES, group=GROUP_M):
+def linear_act_fwd_coop(x, weight, bias, act_id, y, pre, programs, block_k=BLOCK_K, stages=STAGES, group=GROUP_M):
     """y = act(x W^T + b) into y (and x W^T + b into pre when pre is not None); x (M, K), weight
     (N, K), y/pre (M, N), 16-bit, one dtype, TMA-ready (linear_act._tma_ok); M, N, K > 0.
-    programs: SMs to use (one program each)."""
+    programs: SMs to use (one program each). block_k / stages / group as for the ping-pong kernel
+    (scripts/pingpong_probe.py times other choices; 64 x 3 and 32 x 6 fill the shared memory)."""
     M, K = x.shape
     N = weight.shape[0]
 
@@ -201,7 +202,7 @@ def linear_act_fwd_coop(x, weight, bias, act_id, y, pre, programs, stages=STAGES
     y_desc = desc(y, HALF_M, BLOCK_N)
     grid = (min(programs, triton.cdiv(M, 2 * HALF_M) * triton.cdiv(N, BLOCK_N)),)
     _linear_act_coop_kernel[grid](
-        desc(x, HALF_M, BLOCK_K), desc(weight, BLOCK_N, BLOCK_K), y_desc,
+        desc(x, HALF_M, block_k), desc(weight, BLOCK_N, block_k), y_desc,
         desc(pre, HALF_M, BLOCK_N) if pre is not None else y_desc, bias if bias is not None else x, M, N, K,
         ACT=act_id, HAS_BIAS=bias is not None, STORE_PRE=pre is not None, GROUP=group, NSTAGE=stages,
         MMA_REGS=MMA_REGS, EPILOGUE_REGS=EPILOGUE_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
