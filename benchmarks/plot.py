@@ -72,25 +72,47 @@ def plot_norm(plt, op, rows, ceiling, path):
     plt.close(fig)
 
 
+# providers in the order their bars stand, the baselines first; others (public kernels) after
+_LINEAR_ORDER = ("eager", "compile", "addmm_act", "ampkernels-cuda", "ampkernels-triton", "ampkernels-triton-ptr")
+
+
 def plot_linear(plt, rows, path):
-    panels = _panels(rows)
-    fig, axes = _grid(plt, len(panels), f"linear_act: TFLOP/s ({_env_line(rows)})")
-    for ax, ((pss, dtype), prs) in zip(axes, panels.items()):
-        shapes = sorted({(r["M"], r["K"], r["N"]) for r in prs})
-        providers = sorted({(r["provider"], r.get("activation")) for r in prs}, key=str)
-        width = 0.8 / max(len(providers), 1)
-        for i, (provider, act) in enumerate(providers):
-            vals = [next((r["value"] for r in prs if (r["M"], r["K"], r["N"]) == s and r["provider"] == provider
-                          and r.get("activation") == act), 0) for s in shapes]
-            label = provider if act in (None, "identity", "none") else f"{provider} {act}"
-            kw = {"color": "k", "alpha": 0.35} if "matmul" in provider else {}
-            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=label, **kw)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"{m}x{k}x{n}" for m, k, n in shapes],
-                      fontsize=7)
-        ax.set(title=f"{pss} {dtype} (commit {_commits(prs)})", ylabel="TFLOP/s")
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
+    """One panel per (activation, pass, dtype): TFLOP/s per shape, one bar per provider (one
+    colour each across the panels, one legend), the plain matmul as a black line over each shape."""
+    acts = sorted({r.get("activation") for r in rows} - {None, "none", "identity"})
+    cols = sorted({(r["pass"], r["dtype"]) for r in rows})
+    names = {r["provider"] for r in rows} - {"matmul"}
+    providers = [p for p in _LINEAR_ORDER if p in names] + sorted(names - set(_LINEAR_ORDER))
+    colour = {p: f"C{i % 10}" for i, p in enumerate(providers)}
+    value = {(r["provider"], r.get("activation"), r["pass"], r["dtype"], (r["M"], r["K"], r["N"])): r["value"]
+             for r in rows}
+    fig, axes = plt.subplots(len(acts), len(cols), figsize=(4.4 * len(cols), 2.9 * len(acts) + 1), squeeze=False,
+                             sharey=True)
+    fig.suptitle(f"linear_act: TFLOP/s per shape (M x K x N), black line: plain matmul ({_env_line(rows)}, "
+                 f"commit {_commits(rows)})")
+    handles = {}
+    for ax_row, act in zip(axes, acts):
+        for ax, (pss, dtype) in zip(ax_row, cols):
+            shapes = sorted({(r["M"], r["K"], r["N"]) for r in rows if r["pass"] == pss and r["dtype"] == dtype})
+            here = [p for p in providers if any((p, act, pss, dtype, s) in value for s in shapes)]
+            width = 0.8 / max(len(here), 1)
+            for i, p in enumerate(here):
+                bars = ax.bar([x + i * width for x in range(len(shapes))],
+                              [value.get((p, act, pss, dtype, s), 0) for s in shapes], width, color=colour[p])
+                handles.setdefault(p, bars)
+            for x, s in enumerate(shapes):
+                mm = value.get(("matmul", "none", pss, dtype, s))
+                if mm:
+                    handles.setdefault("plain matmul", ax.hlines(mm, x - width / 2, x + 0.8 - width / 2, colors="k"))
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], [f"{m}x{k}x{n}" for m, k, n in shapes],
+                          fontsize=6)
+            ax.set_title(f"{act} {pss} {dtype}", fontsize=9)
+            ax.grid(alpha=0.3, axis="y")
+    for ax_row in axes:
+        ax_row[0].set_ylabel("TFLOP/s")
+    order = [p for p in providers if p in handles] + [p for p in ("plain matmul",) if p in handles]
+    fig.legend([handles[p] for p in order], order, loc="lower center", ncol=min(len(order), 8), fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -265,3 +265,21 @@ def test_linear_act_auto_table_is_what_its_source_run_gives():
         os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-30-7cf8101-linear-act.jsonl")],
         cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert twice == out
+
+
+def test_linear_act_plot_panels(tmp_path):
+    # benchmarks/plot.py: one panel per (activation, pass, dtype), bars per provider, the plain
+    # matmul as a line; providers missing from a panel leave it, not the figure
+    pytest.importorskip("matplotlib")
+    from benchmarks import plot
+
+    rows = [dict(op="linear_act", provider=p, activation=a, dtype=d, M=m, K=k, N=n, metric="TFLOP/s", value=v,
+                 gpu="cpu", torch="t", triton="tr", commit="abc", **{"pass": s})
+            for d in ("float16", "bfloat16") for s in ("fwd", "fwd_bwd") for m, k, n in ((64, 32, 48), (128, 64, 96))
+            for p, a, v in (("matmul", "none", 100.0), ("eager", "gelu", 80.0), ("ampkernels-triton", "gelu", 90.0),
+                            ("eager", "relu", 85.0), ("addmm_act", "relu", 95.0))
+            if not (p == "addmm_act" and s == "fwd_bwd")]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot.plot_all(str(path), str(tmp_path)) == [str(tmp_path / "linear_act.png")]
+    assert (tmp_path / "linear_act.png").stat().st_size > 10_000
