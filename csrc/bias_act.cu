@@ -1,8 +1,8 @@
 // Fused bias + activation, forward and backward: the elementwise half of linear_act's
 // unfused path (GEMM, then this), and the kernel that proves the build end to end.
 //
-// Forward: one thread owns kVec consecutive elements of one row (16-byte loads when
-// cols and pointers allow, else 1 element); y = act(z + bias), pre = z + bias.
+// Forward: a thread owns kUnroll vectors of kVec consecutive elements of one row a step (16-byte
+// loads when cols and pointers allow, else 1 element); y = act(z + bias), pre = z + bias.
 // Backward: a block owns a 32-column strip of one row chunk; it writes dz = dy*act'(pre)
 // and the fp32 column sums of its chunk to dbias_partial[chunk]; reduce_partials then
 // adds the chunks in a fixed order, so dbias is bitwise repeatable.
@@ -13,32 +13,46 @@
 namespace ampk {
 namespace {
 
-template <typename T, typename TB, Activation A, int kVec>
+template <typename T, typename TB, Activation A, int kVec, int kUnroll>
 __global__ void bias_act_forward_kernel(const T* __restrict__ z, const TB* __restrict__ bias, T* __restrict__ y,
                                         T* __restrict__ pre, int64_t numel, int64_t cols) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x * kVec;
-  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec; i < numel; i += stride) {
-    T zv[kVec], yv[kVec];
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<uint4*>(zv) = *reinterpret_cast<const uint4*>(z + i);
-    } else {
-      zv[0] = z[i];
-    }
-    const int64_t col = i % cols;  // kVec divides cols, so a vector never crosses a row
+  // kUnroll vectors a thread a step, all loaded before any is computed: more bytes in flight
+  const int64_t step = int64_t(blockDim.x) * kVec;  // between a thread's vectors: each is coalesced
+  const int64_t stride = int64_t(gridDim.x) * step * kUnroll;
+  for (int64_t base = int64_t(blockIdx.x) * step * kUnroll + int64_t(threadIdx.x) * kVec; base < numel;
+       base += stride) {
+    T zv[kUnroll][kVec];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      float v = to_f32(zv[k]);
-      if (bias != nullptr) v += to_f32(bias[col + k]);
-      zv[k] = from_f32<T>(v);
-      // act on the rounded pre-activation, as the unfused torch path (addmm then act) does
-      yv[k] = from_f32<T>(act_fwd<A>(to_f32(zv[k])));
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * step;
+      if (i >= numel) break;
+      if constexpr (kVec > 1) {
+        *reinterpret_cast<uint4*>(zv[u]) = *reinterpret_cast<const uint4*>(z + i);
+      } else {
+        zv[u][0] = z[i];
+      }
     }
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<uint4*>(y + i) = *reinterpret_cast<const uint4*>(yv);
-      if (pre != nullptr) *reinterpret_cast<uint4*>(pre + i) = *reinterpret_cast<const uint4*>(zv);
-    } else {
-      y[i] = yv[0];
-      if (pre != nullptr) pre[i] = zv[0];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * step;
+      if (i >= numel) break;
+      const int64_t col = i % cols;  // kVec divides cols, so a vector never crosses a row
+      T yv[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        float v = to_f32(zv[u][k]);
+        if (bias != nullptr) v += to_f32(bias[col + k]);
+        zv[u][k] = from_f32<T>(v);
+        // act on the rounded pre-activation, as the unfused torch path (addmm then act) does
+        yv[k] = from_f32<T>(act_fwd<A>(to_f32(zv[u][k])));
+      }
+      if constexpr (kVec > 1) {
+        *reinterpret_cast<uint4*>(y + i) = *reinterpret_cast<const uint4*>(yv);
+        if (pre != nullptr) *reinterpret_cast<uint4*>(pre + i) = *reinterpret_cast<const uint4*>(zv[u]);
+      } else {
+        y[i] = yv[0];
+        if (pre != nullptr) pre[i] = zv[u][0];
+      }
     }
   }
 }
@@ -103,13 +117,15 @@ cudaError_t bias_act_forward(const void* z, const void* bias, void* y, void* pre
       return dispatch_activation(act, [&]<Activation A>() {
         constexpr int kWide = 16 / sizeof(T);
         constexpr int kThreads = 256;
+        constexpr int kUnroll = 4;
         const bool vec = cols % kWide == 0 && aligned16(z) && aligned16(y) && aligned16(pre);
         if (vec) {
-          bias_act_forward_kernel<T, TB, A, kWide><<<grid_for(numel / kWide, kThreads), kThreads, 0, stream>>>(
-              static_cast<const T*>(z), static_cast<const TB*>(bias), static_cast<T*>(y), static_cast<T*>(pre),
-              numel, cols);
+          bias_act_forward_kernel<T, TB, A, kWide, kUnroll>
+              <<<grid_for(numel / kWide, kThreads * kUnroll), kThreads, 0, stream>>>(
+                  static_cast<const T*>(z), static_cast<const TB*>(bias), static_cast<T*>(y), static_cast<T*>(pre),
+                  numel, cols);
         } else {
-          bias_act_forward_kernel<T, TB, A, 1><<<grid_for(numel, kThreads), kThreads, 0, stream>>>(
+          bias_act_forward_kernel<T, TB, A, 1, kUnroll><<<grid_for(numel, kThreads * kUnroll), kThreads, 0, stream>>>(
               static_cast<const T*>(z), static_cast<const TB*>(bias), static_cast<T*>(y), static_cast<T*>(pre),
               numel, cols);
         }

@@ -29,29 +29,44 @@
 namespace ampk {
 namespace {
 
-// dz = dy * act'(saved), elementwise over a flat array. One thread owns kVec consecutive
-// elements (16-byte loads and stores when every pointer is 16-byte aligned and numel is a
-// multiple of the vector, which the fused path guarantees; else one element). dz may be dy
-// (in place, act_backward_cuda_): each thread loads its elements before it stores them, and
-// dy/dz carry no __restrict__ so the compiler is not told otherwise.
-template <typename T, Activation A, int kVec>
+// dz = dy * act'(saved), elementwise over a flat array. One thread owns kUnroll vectors of kVec
+// consecutive elements a step (16-byte loads and stores when every pointer is 16-byte aligned
+// and numel is a multiple of the vector, which the fused path guarantees; else one element),
+// loading all of them before it computes or stores any: more bytes in flight a thread (with
+// one vector a step this pass ran at 3.1-3.2 TB/s against 4.1 for torch's dy * saved,
+// benchmarks/results/h200-2026-12-01-dz-pass-probe.log). dz may be dy (in place,
+// act_backward_cuda_): a thread loads its elements before it stores them, and dy/dz carry no
+// __restrict__ so the compiler is not told otherwise.
+template <typename T, Activation A, int kVec, int kUnroll>
 __global__ void act_backward_kernel(const T* dy, const T* __restrict__ saved, T* dz, int64_t numel) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x * kVec;
-  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec; i < numel; i += stride) {
-    T g[kVec], s[kVec];
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(dy + i);
-      *reinterpret_cast<uint4*>(s) = *reinterpret_cast<const uint4*>(saved + i);
-    } else {
-      g[0] = dy[i];
-      s[0] = saved[i];
+  const int64_t step = int64_t(blockDim.x) * kVec;  // between a thread's vectors: each is coalesced
+  const int64_t stride = int64_t(gridDim.x) * step * kUnroll;
+  for (int64_t base = int64_t(blockIdx.x) * step * kUnroll + int64_t(threadIdx.x) * kVec; base < numel;
+       base += stride) {
+    T g[kUnroll][kVec], s[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * step;
+      if (i >= numel) break;
+      if constexpr (kVec > 1) {
+        *reinterpret_cast<uint4*>(g[u]) = *reinterpret_cast<const uint4*>(dy + i);
+        *reinterpret_cast<uint4*>(s[u]) = *reinterpret_cast<const uint4*>(saved + i);
+      } else {
+        g[u][0] = dy[i];
+        s[u][0] = saved[i];
+      }
     }
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) g[k] = from_f32<T>(to_f32(g[k]) * act_grad<A>(to_f32(s[k])));
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<uint4*>(dz + i) = *reinterpret_cast<const uint4*>(g);
-    } else {
-      dz[i] = g[0];
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * step;
+      if (i >= numel) break;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) g[u][k] = from_f32<T>(to_f32(g[u][k]) * act_grad<A>(to_f32(s[u][k])));
+      if constexpr (kVec > 1) {
+        *reinterpret_cast<uint4*>(dz + i) = *reinterpret_cast<const uint4*>(g[u]);
+      } else {
+        dz[i] = g[u][0];
+      }
     }
   }
 }
@@ -261,13 +276,15 @@ cudaError_t act_backward(const void* dy, const void* saved, void* dz, int64_t nu
       const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
       const bool vec = numel % kWide == 0 && aligned(dy) && aligned(saved) && aligned(dz);
       const int64_t items = vec ? numel / kWide : numel;
+      constexpr int kUnroll = 4;
       // a few waves of resident blocks; the grid-stride loop covers the rest
-      const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(num_sms) * 8);
+      const int64_t blocks = std::min<int64_t>((items + kThreads * kUnroll - 1) / (kThreads * kUnroll),
+                                               int64_t(num_sms) * 8);
       if (vec) {
-        act_backward_kernel<T, A, kWide><<<unsigned(blocks), kThreads, 0, stream>>>(
+        act_backward_kernel<T, A, kWide, kUnroll><<<unsigned(blocks), kThreads, 0, stream>>>(
             static_cast<const T*>(dy), static_cast<const T*>(saved), static_cast<T*>(dz), numel);
       } else {
-        act_backward_kernel<T, A, 1><<<unsigned(blocks), kThreads, 0, stream>>>(
+        act_backward_kernel<T, A, 1, kUnroll><<<unsigned(blocks), kThreads, 0, stream>>>(
             static_cast<const T*>(dy), static_cast<const T*>(saved), static_cast<T*>(dz), numel);
       }
       return cudaGetLastError();
