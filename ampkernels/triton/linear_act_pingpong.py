@@ -184,8 +184,8 @@ def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs, block_k=B
     """y = act(x W^T + b) into y (and x W^T + b into pre when pre is not None); x (M, K), weight
     (N, K), y/pre (M, N), 16-bit, one dtype, TMA-ready (linear_act._tma_ok); M, N, K > 0.
     programs: SMs to use (one program each). block_k / stages / group: the K step, the operand
-    ring's depth and the tile walk's band height, left at the defaults but by
-    scripts/pingpong_probe.py, which times other choices."""
+    ring's depth and the tile walk's band height; the library runs the defaults, and
+    scripts/pingpong_probe.py times other choices."""
     M, K = x.shape
     N = weight.shape[0]
 
