@@ -38,6 +38,8 @@ if gluon is not None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from .linear_act_pingpong import _mma_k_loop
+
 HALF_M, BLOCK_N, BLOCK_K = 128, 128, 64  # a tile is 2 x HALF_M rows
 STAGES = 3  # 3 x 48 KB of operand ring + 2 x 32 KB of pre/y staging: 208 KB of the 227 KB
 GROUP_M = 8
@@ -98,15 +100,9 @@ if gluon is not None:
             local = (tile - gl.program_id(0)) // gl.num_programs(0)  # this program's tiles before this one
             _, off_n = _tile_origin(tile, num_m, num_n, GROUP, 2 * HM, BN)
             acc = gl.zeros((HM, BN), dtype=gl.float32, layout=acc_layout)
-            for kk in range(k_tiles):
-                slot = count % NSTAGE
-                mbarrier.wait(ready.index(slot), (count // NSTAGE) & 1)
-                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                # the MMA before this one is done reading its slot: this half's release of it (the
-                # slot is free once both halves have released it: empty counts 2 arrivals)
-                mbarrier.arrive(empty.index((count + NSTAGE - 1) % NSTAGE), count=1, pred=kk > 0)
-                count += 1
+            # this half's releases of the slots (a slot is free once both halves have released
+            # it: empty counts 2 arrivals)
+            acc, count = _mma_k_loop(a_bufs, b_bufs, ready, empty, acc, count, k_tiles)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((count + NSTAGE - 1) % NSTAGE), count=1)
             # the bias load is masked off without a bias rather than left out: Triton 3.6 fails

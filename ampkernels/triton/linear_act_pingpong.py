@@ -76,6 +76,22 @@ if gluon is not None:
                 count += 1
 
     @gluon.jit
+    def _mma_k_loop(a_bufs, b_bufs, ready, empty, acc, count, k_tiles):
+        """acc += the program's next k_tiles ring slots' a @ b^T, from ring slot count on; each
+        slot is released (an arrival on empty) once the MMA after it has been issued, the last
+        one left to the caller (it waits for the final MMA first). Returns (acc, count)."""
+        NSTAGE: gl.constexpr = a_bufs.type.shape[0]
+        for kk in range(k_tiles):
+            slot = count % NSTAGE
+            mbarrier.wait(ready.index(slot), (count // NSTAGE) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            # the MMA before this one is done reading its slot: hand the slot back to the producer
+            mbarrier.arrive(empty.index((count + NSTAGE - 1) % NSTAGE), count=1, pred=kk > 0)
+            count += 1
+        return acc, count
+
+    @gluon.jit
     def _consumer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, b_ptr, M, N, K,
                   ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
                   PARITY: gl.constexpr):
@@ -104,14 +120,7 @@ if gluon is not None:
             else:
                 mbarrier.wait(turn.index(1), j & 1)
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-            for kk in range(k_tiles):
-                slot = count % NSTAGE
-                mbarrier.wait(ready.index(slot), (count // NSTAGE) & 1)
-                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                # the MMA before this one is done reading its slot: hand the slot back to the producer
-                mbarrier.arrive(empty.index((count + NSTAGE - 1) % NSTAGE), count=1, pred=kk > 0)
-                count += 1
+            acc, count = _mma_k_loop(a_bufs, b_bufs, ready, empty, acc, count, k_tiles)
             mbarrier.arrive(turn.index(1 - PARITY), count=1)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((count + NSTAGE - 1) % NSTAGE), count=1)
