@@ -5,6 +5,7 @@ A row: {op, provider, shape..., dtype, pass (fwd|bwd|fwd_bwd), metric, value, ms
 ms_p80, gpu, cc, torch, cuda, triton, commit, time}; rows of a public provider (providers.py)
 also carry provider_version. Plots and reports read these rows.
 """
+import contextlib
 import cProfile
 import csv
 import datetime
@@ -56,6 +57,17 @@ def cuda_step_peak(step, warmup=2):
     step()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
+
+
+@contextlib.contextmanager
+def probe_log(path):
+    """say(line) for a probe script: prints the line and writes it to the log at path."""
+    with open(path, "w") as log:
+        def say(line):
+            print(line, flush=True)
+            log.write(line + "\n")
+
+        yield say
 
 
 def graph_replay_ms(fn, **timing):

@@ -10,7 +10,7 @@ import os
 import torch
 
 from ampkernels import _extension
-from ampkernels.benchmarks.common import bench, graph_replay_ms
+from ampkernels.benchmarks.common import bench, graph_replay_ms, probe_log
 from ampkernels.nn import FusedMLP
 from ampkernels.reference import activation_id
 from ampkernels.triton import cdiv
@@ -69,11 +69,7 @@ def main():
     args = ap.parse_args()
     # the CUDA ops register when the extension loads (the backend check does it for the public API)
     assert _extension.load(), "ampkernels._C did not load: the 'cuda' column needs it"
-    with open(os.path.join(args.out, "dz-pass.log"), "w") as log:
-        def say(line):
-            print(line, flush=True)
-            log.write(line + "\n")
-
+    with probe_log(os.path.join(args.out, "dz-pass.log")) as say:
         say(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {tla.triton.__version__}; "
             "us per call, CUDA-graph replay median; TB/s counts dy, saved read and dz written")
         for m, n in SHAPES:

@@ -14,7 +14,7 @@ import os
 import torch
 
 from ampkernels import _extension
-from ampkernels.benchmarks.common import graph_replay_ms
+from ampkernels.benchmarks.common import graph_replay_ms, probe_log
 from ampkernels.ops import linear_act as la
 from ampkernels.reference import activation_id
 from ampkernels.triton import linear_act as tla
@@ -44,11 +44,7 @@ def main():
     # the CUDA ops register when the extension loads (the backend check does it for the public API)
     assert _extension.load(), "ampkernels._C did not load: the 'cuda' column needs it"
     rows = []
-    with open(os.path.join(args.out, "matmul-act-grad.log"), "w") as log:
-        def say(line):
-            print(line, flush=True)
-            log.write(line + "\n")
-
+    with probe_log(os.path.join(args.out, "matmul-act-grad.log")) as say:
         say(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {tla.triton.__version__}; "
             "CUDA-graph replay us (median)")
         for dtype in (torch.bfloat16, torch.float16):

@@ -13,7 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ampkernels.benchmarks.common import graph_replay_ms
+from ampkernels.benchmarks.common import graph_replay_ms, probe_log
 from ampkernels.reference import ACTIVATIONS, act_fwd
 from ampkernels.triton import linear_act as tla
 from ampkernels.triton import linear_act_coop as coop
@@ -45,31 +45,22 @@ def _probe_shape(say, rows, m, k, n, acts, programs):
         want = act_fwd(z, act)
         tma = _us(lambda aid=aid: tla.linear_act_fwd(x, w, b, aid, False, tma=True, pingpong=False))
         say(f"{m}x{k}x{n} {act:5s} TMA kernel (tuned) {tma:7.1f} us  ratio {mm / tma:.3f}")
-        for bk, stages, group in VARIANTS:
-            def run(aid=aid, bk=bk, stages=stages, group=group):
-                pp.linear_act_fwd_pingpong(x, w, b, aid, y, None, programs, block_k=bk, stages=stages, group=group)
+        variants = [("pingpong", {"block_k": bk, "stages": st, "group": g}) for bk, st, g in VARIANTS]
+        variants += [("coop", {"block_k": bk, "stages": st}) for bk, st in COOP_VARIANTS]
+        for kernel, params in variants:
+            launch = pp.linear_act_fwd_pingpong if kernel == "pingpong" else coop.linear_act_fwd_coop
+
+            def run(aid=aid, launch=launch, params=params):
+                launch(x, w, b, aid, y, None, programs, **params)
 
             y.zero_()
             run()
             err = ((y.float() - want).abs().max() / want.abs().max()).item()
             t = _us(run) if err < 1e-2 else float("nan")
-            say(f"{m}x{k}x{n} {act:5s} ping-pong BK {bk:3d} stages {stages} group {group:2d} {t:7.1f} us  "
-                f"ratio {mm / t:.3f}  max rel err {err:.1e}")
-            rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": "pingpong", "block_k": bk, "stages": stages,
-                         "group": group, "us": t, "matmul_us": mm, "tma_us": tma, "max_rel_err": err})
-
-        for bk, stages in COOP_VARIANTS:
-            def run_coop(aid=aid, bk=bk, stages=stages):
-                coop.linear_act_fwd_coop(x, w, b, aid, y, None, programs, block_k=bk, stages=stages)
-
-            y.zero_()
-            run_coop()
-            err = ((y.float() - want).abs().max() / want.abs().max()).item()
-            t = _us(run_coop) if err < 1e-2 else float("nan")
-            say(f"{m}x{k}x{n} {act:5s} cooperative BK {bk:3d} stages {stages}      {t:7.1f} us  ratio {mm / t:.3f}  "
-                f"max rel err {err:.1e}")
-            rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": "coop", "block_k": bk, "stages": stages,
-                         "us": t, "matmul_us": mm, "tma_us": tma, "max_rel_err": err})
+            say(f"{m}x{k}x{n} {act:5s} {kernel:8s} " + " ".join(f"{p} {v:3d}" for p, v in params.items())
+                + f" {t:7.1f} us  ratio {mm / t:.3f}  max rel err {err:.1e}")
+            rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": kernel, **params, "us": t, "matmul_us": mm,
+                         "tma_us": tma, "max_rel_err": err})
 
 
 def main():
@@ -79,11 +70,7 @@ def main():
     args = ap.parse_args()
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    with open(os.path.join(args.out, "pingpong-probe.log"), "w") as log:
-        def say(line):
-            print(line, flush=True)
-            log.write(line + "\n")
-
+    with probe_log(os.path.join(args.out, "pingpong-probe.log")) as say:
         say(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {tla.triton.__version__}; "
             "bf16 inference forward, us per call (CUDA-graph replay median); ratio = plain matmul's time / this")
         for m, k, n in SHAPES:
