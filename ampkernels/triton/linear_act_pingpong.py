@@ -39,7 +39,10 @@ except ImportError:  # a Triton without Gluon's Hopper API: the TMA kernel only
     gluon = None
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
-STAGES = 4  # 4 x 32 KB of operand ring + 2 x 32 KB of output staging: 192 KB of the 227 KB
+# 5 x 32 KB of operand ring + 2 x 32 KB of output staging: 224 KB of the 227 KB. A fifth stage
+# was 1-4% faster than four at 13 of 15 (shape, activation) cells of the bf16 pingpong probe
+# (benchmarks/results/h200-2026-12-01-9836fa4-pingpong-probe.log)
+STAGES = 5
 GROUP_M = 8
 # registers a thread: 168 at launch (12 warps x 32 x 168 <= 64 K); after setmaxnreg the producer's
 # warpgroup keeps 24, consumer 1 takes 232 and consumer 0 what is left (248)
