@@ -253,16 +253,16 @@ def test_linear_act_auto_table_is_what_its_source_run_gives():
     # names: a hand edit of the table, or of the rule, shows here
     from ampkernels.ops import linear_act as la
     from benchmarks import bench_linear_act as bl
-    with open(os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-30-7cf8101-linear-act.jsonl")) as f:
+    with open(os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-9836fa4-linear-act.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert bl.auto_table(rows) == la._MEASURED
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_linear_act", "--auto-table",
-                          os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-30-7cf8101-linear-act.jsonl")],
+                          os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-9836fa4-linear-act.jsonl")],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert '(torch.float16, "medium", False): (_C, _C, _T, _T),' in out and len(out.splitlines()) == 12
+    assert '(torch.float16, "medium", False): (_C, _C, _T, _E),' in out and len(out.splitlines()) == 12
     # several runs: their times add up; one run given twice is its own mean
     twice = subprocess.run([sys.executable, "-m", "benchmarks.bench_linear_act", "--auto-table"] + 2 * [
-        os.path.join(ROOT, "benchmarks", "results", "h200-2026-11-30-7cf8101-linear-act.jsonl")],
+        os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-9836fa4-linear-act.jsonl")],
         cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert twice == out
 

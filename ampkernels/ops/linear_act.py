@@ -191,21 +191,19 @@ class LinearActFunction(torch.autograd.Function):
 
 # "auto": backends to try, fastest first, per (compute capability major, dtype, activation,
 # shape bucket, training). Filled from one full H200 run of benchmarks/bench_linear_act.py
-# (commit 7cf8101, benchmarks/results/h200-2026-11-30-7cf8101-linear-act.jsonl; the rule
-# reproduces the previous table from the d7c2ee3 run exactly): per cell the fastest of cuda /
-# triton / torch (eager F.linear + activation) over the bucket's shapes, times summed; a fused
-# kernel within 1% of eager counts as a tie and is kept. That rule is benchmarks/
+# (commit 9836fa4, benchmarks/results/h200-2026-12-01-9836fa4-linear-act.jsonl): per cell the
+# fastest of cuda / triton / torch (eager F.linear + activation) over the bucket's shapes, times
+# summed; a fused kernel within 1% of eager counts as a tie and is kept. That rule is benchmarks/
 # bench_linear_act.py's auto_table (`python -m benchmarks.bench_linear_act --auto-table FILE [FILE ...]`
-# prints the rows below from a run; tests/test_cli.py checks them against 7cf8101's).
+# prints the rows below from a run; tests/test_cli.py checks them against 9836fa4's).
 # Buckets by M*N*K: "small" < 2^34 (4096x768x3072), "medium" < 2^37 (8192x1024x4096), "large"
 # (8192x4096x{4096,16384}).
-# Against d7c2ee3 the Triton forward (SFU epilogues, two programs per SM) now takes erf GELU
-# at "medium" (0.70-0.73 of matmul against cuda's 0.66) and more "large" cells; large-bucket
-# cells within ~3% of each other (fp16 ReLU: eager, bf16 erf GELU: cuda) follow run-to-run noise.
-# The run at 35965d5 (Triton's erf GELU / SiLU forward on the Hopper ping-pong kernel,
-# h200-2026-12-01-35965d5-linear-act.jsonl) gives the same inference cells for erf GELU and
-# SiLU under this rule except bf16 "large" erf GELU (eager fastest, triton +5%, cuda +9%); its
-# training cells moved with the host's jitter (see below), so the table stays as filled.
+# 9836fa4 is the first run with everything that moved the picks since 7cf8101 (the table's
+# previous source): the Hopper ping-pong kernel timed against the TMA kernel per shape
+# (Triton erf GELU / SiLU forward), the Triton dz pass that sums its bias-gradient partials per
+# thread (c408b55: every "large" training cell is now Triton's) and the CUDA act' / bias +
+# activation passes with four loads in flight (c798ee8). Earlier runs (7cf8101, 35965d5,
+# a930f91) measured other code, so they are not averaged in.
 # Not measured (identity, squared_relu, other GPUs): the default, cuBLASLt first -- its fused
 # epilogues cost nothing for bias/relu/gelu_tanh, and its unfused path (GEMM+bias, then the
 # activation in place) does the same work as eager.
@@ -214,23 +212,24 @@ class LinearActFunction(torch.autograd.Function):
 # pass, like eager. Training cells below "large" are host-bound on the H200 host (a fwd+bwd of
 # linear_act costs the host 310-440 us, eager 260-290: scripts/linear_act_probe.py --host,
 # benchmarks/results/h200-2026-11-30-429d844-linear-act-probe.log), so their pick can flip
-# between runs with the host's jitter; the GPU time alone (CUDA-graph replay) favours cuda.
+# between runs with the host's jitter (a930f91's run and 9836fa4's give different picks in 3 of
+# 4 small/medium training rows); the GPU time alone (CUDA-graph replay) favours cuda.
 _AUTO_DEFAULT = ("cuda", "triton")
 _C, _T, _E = ("cuda", "triton"), ("triton", "cuda"), ("torch",)
 _ACT_COLUMNS = ("gelu_tanh", "relu", "gelu", "silu")
 _MEASURED = {  # (dtype, bucket, training): preferences for _ACT_COLUMNS
-    (torch.float16, "small", False): (_C, _C, _C, _C),
-    (torch.float16, "medium", False): (_C, _C, _T, _T),
-    (torch.float16, "large", False): (_T, _E, _T, _T),
-    (torch.float16, "small", True): (_E, _E, _E, _E),
-    (torch.float16, "medium", True): (_C, _E, _C, _C),
-    (torch.float16, "large", True): (_C, _T, _T, _C),
     (torch.bfloat16, "small", False): (_C, _C, _C, _E),
-    (torch.bfloat16, "medium", False): (_C, _C, _T, _T),
-    (torch.bfloat16, "large", False): (_C, _T, _C, _T),
+    (torch.bfloat16, "medium", False): (_C, _C, _T, _E),
+    (torch.bfloat16, "large", False): (_T, _T, _T, _T),
     (torch.bfloat16, "small", True): (_E, _E, _C, _E),
     (torch.bfloat16, "medium", True): (_C, _C, _E, _E),
     (torch.bfloat16, "large", True): (_T, _T, _T, _T),
+    (torch.float16, "small", False): (_C, _C, _C, _C),
+    (torch.float16, "medium", False): (_C, _C, _T, _E),
+    (torch.float16, "large", False): (_C, _C, _T, _T),
+    (torch.float16, "small", True): (_E, _E, _C, _E),
+    (torch.float16, "medium", True): (_C, _C, _C, _E),
+    (torch.float16, "large", True): (_T, _T, _T, _T),
 }
 _AUTO_TABLE: dict = {(9, dtype, act, bucket, training): pref
                      for (dtype, bucket, training), prefs in _MEASURED.items()
