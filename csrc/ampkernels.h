@@ -21,13 +21,15 @@ enum class Activation : int { kIdentity = 0, kReLU = 1, kGELU = 2, kGELUTanh = 3
 cudaError_t bias_act_forward(const void* z, const void* bias, void* y, void* pre, int64_t rows, int64_t cols,
                              DType dtype, DType bias_dtype, Activation act, cudaStream_t stream);
 
-// dz = dy * act'(pre). When dbias_partial is not nullptr, also writes fp32 column sums of dz,
-// one row of `cols` per row chunk: dbias_partial[num_chunks][cols]. Deterministic (no atomics).
+// dz = dy * act'(pre); dz may be dy (in place). When dbias_partial is not nullptr, also writes
+// fp32 column sums of dz, one row of `cols` per row chunk: dbias_partial[num_chunks][cols].
+// Deterministic (no atomics).
 cudaError_t bias_act_backward(const void* dy, const void* pre, void* dz, float* dbias_partial, int64_t rows,
                               int64_t cols, int num_chunks, DType dtype, Activation act, cudaStream_t stream);
 
-// Rows of row chunks the backward uses for a given shape, sized to fill the GPU.
-int bias_act_backward_chunks(int64_t rows, int64_t cols, int num_sms);
+// Row chunks for bias_act_backward at a given shape: as many blocks as the GPU holds at once.
+cudaError_t bias_act_backward_chunks(int64_t rows, int64_t cols, DType dtype, Activation act, int num_sms,
+                                     int* chunks);
 
 // out[c] = sum over chunks of partial[chunk][c], in fixed order, written in out_dtype.
 cudaError_t reduce_partials(const float* partial, void* out, int num_chunks, int64_t cols, DType out_dtype,
@@ -73,8 +75,8 @@ const char* lt_matmul(const LtGemm& gemm, void* handle, void* workspace, size_t 
 // Number of cached (descriptor, algorithm) plans, for tests.
 size_t lt_cached_plans();
 
-// dz = dy * act'(saved) over numel elements (no bias gradient: BGRADB computes it in the
-// weight-gradient GEMM). 16-byte vectors when pointers and numel allow.
+// dz = dy * act'(saved) over numel elements, for when no bias gradient is wanted
+// (bias_act_backward forms one). 16-byte vectors when pointers and numel allow.
 cudaError_t act_backward(const void* dy, const void* saved, void* dz, int64_t numel, DType dtype, Activation act,
                          int num_sms, cudaStream_t stream);
 

@@ -3,9 +3,9 @@
 //
 // Forward: a thread owns kUnroll vectors of kVec consecutive elements of one row a step (16-byte
 // loads when cols and pointers allow, else 1 element); y = act(z + bias), pre = z + bias.
-// Backward: a block owns a 32-column strip of one row chunk; it writes dz = dy*act'(pre)
-// and the fp32 column sums of its chunk to dbias_partial[chunk]; reduce_partials then
-// adds the chunks in a fixed order, so dbias is bitwise repeatable.
+// Backward: a block owns a strip of 32 vectors (or 32 columns) of one row chunk; it writes
+// dz = dy*act'(pre) and the fp32 column sums of its chunk to dbias_partial[chunk];
+// reduce_partials then adds the chunks in a fixed order, so dbias is bitwise repeatable.
 #include <algorithm>
 
 #include "activations.cuh"
@@ -57,35 +57,69 @@ __global__ void bias_act_forward_kernel(const T* __restrict__ z, const TB* __res
   }
 }
 
-constexpr int kStripCols = 32;  // columns per backward block (one warp wide)
-constexpr int kStripRows = 8;   // warps per backward block
+constexpr int kStripVecs = 32;  // vectors across a backward block (one warp wide)
+constexpr int kStripRows = 8;   // warps down a backward block
 
-template <typename T, Activation A>
-__global__ void bias_act_backward_kernel(const T* __restrict__ dy, const T* __restrict__ pre, T* __restrict__ dz,
+// A block owns a strip of kStripVecs vectors of kVec columns (16-byte loads when cols and the
+// pointers allow, else kVec = 1) in one row chunk; its warps take every kStripRows-th row, each
+// thread loading kUnroll rows' vectors before computing any (bytes in flight, as in the flat
+// act' pass). The column sums stay in registers until the chunk is done: one cross-warp sum a
+// block. dz may be dy (in place, act_backward_cuda_): a thread loads its elements before it
+// stores them, and dy/dz carry no __restrict__ so the compiler is not told otherwise.
+template <typename T, Activation A, int kVec, int kUnroll>
+__global__ void bias_act_backward_kernel(const T* dy, const T* __restrict__ pre, T* dz,
                                          float* __restrict__ dbias_partial, int64_t rows, int64_t cols,
                                          int64_t rows_per_chunk) {
-  __shared__ float sums[kStripRows][kStripCols + 1];
-  const int64_t col = int64_t(blockIdx.x) * kStripCols + threadIdx.x;
+  constexpr int kCols = kStripVecs * kVec;
+  __shared__ float sums[kStripRows][kCols + 1];
+  const int64_t col = int64_t(blockIdx.x) * kCols + int64_t(threadIdx.x) * kVec;  // kVec divides cols
   const int64_t row_begin = int64_t(blockIdx.y) * rows_per_chunk;
   const int64_t row_end = min(rows, row_begin + rows_per_chunk);
-  float acc = 0.f;
+  float acc[kVec] = {};
   if (col < cols) {
-    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kStripRows) {
-      const int64_t i = r * cols + col;
-      const float g = to_f32(dy[i]) * act_grad<A>(to_f32(pre[i]));
-      const T gt = from_f32<T>(g);
-      dz[i] = gt;
-      acc += to_f32(gt);  // dbias = sum of dz as stored, like torch's dz.sum(0)
+    for (int64_t r0 = row_begin + threadIdx.y; r0 < row_end; r0 += kStripRows * kUnroll) {
+      T g[kUnroll][kVec], s[kUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t r = r0 + u * kStripRows;
+        if (r >= row_end) break;
+        if constexpr (kVec > 1) {
+          *reinterpret_cast<uint4*>(g[u]) = *reinterpret_cast<const uint4*>(dy + r * cols + col);
+          *reinterpret_cast<uint4*>(s[u]) = *reinterpret_cast<const uint4*>(pre + r * cols + col);
+        } else {
+          g[u][0] = dy[r * cols + col];
+          s[u][0] = pre[r * cols + col];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t r = r0 + u * kStripRows;
+        if (r >= row_end) break;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          g[u][k] = from_f32<T>(to_f32(g[u][k]) * act_grad<A>(to_f32(s[u][k])));
+          acc[k] += to_f32(g[u][k]);  // dbias = sum of dz as stored, like torch's dz.sum(0)
+        }
+        if constexpr (kVec > 1) {
+          *reinterpret_cast<uint4*>(dz + r * cols + col) = *reinterpret_cast<const uint4*>(g[u]);
+        } else {
+          dz[r * cols + col] = g[u][0];
+        }
+      }
     }
   }
   if (dbias_partial == nullptr) return;
-  sums[threadIdx.y][threadIdx.x] = acc;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) sums[threadIdx.y][threadIdx.x * kVec + k] = acc[k];
   __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
+  // the strip's kCols column totals, over the warps in a fixed order, by all the block's threads
+  for (int c = threadIdx.y * kStripVecs + threadIdx.x; c < kCols; c += kStripVecs * kStripRows) {
+    const int64_t out_col = int64_t(blockIdx.x) * kCols + c;
+    if (out_col >= cols) break;
     float total = 0.f;
 #pragma unroll
-    for (int k = 0; k < kStripRows; ++k) total += sums[k][threadIdx.x];
-    dbias_partial[int64_t(blockIdx.y) * cols + col] = total;
+    for (int w = 0; w < kStripRows; ++w) total += sums[w][c];
+    dbias_partial[int64_t(blockIdx.y) * cols + out_col] = total;
   }
 }
 
@@ -135,26 +169,57 @@ cudaError_t bias_act_forward(const void* z, const void* bias, void* y, void* pre
   });
 }
 
-int bias_act_backward_chunks(int64_t rows, int64_t cols, int num_sms) {
-  const int64_t strips = (cols + kStripCols - 1) / kStripCols;
-  const int64_t want = std::max<int64_t>(1, (int64_t(num_sms) * 8 + strips - 1) / strips);  // ~8 blocks per SM
-  const int64_t most = std::max<int64_t>(1, (rows + kStripRows - 1) / kStripRows);          // >= 1 row per warp
-  return int(std::min<int64_t>({want, most, int64_t(65535)}));
+constexpr int kBackwardUnroll = 4;
+
+cudaError_t bias_act_backward_chunks(int64_t rows, int64_t cols, DType dtype, Activation act, int num_sms,
+                                     int* chunks) {
+  // As many blocks as the GPU holds at once (strips x chunks), so they run as one full wave:
+  // blocks of equal work in 2.67 waves (8 an SM, 3 resident) would leave a third of the last
+  // wave's slots idle. Strips as wide as bias_act_backward makes them when the pointers are
+  // 16-byte aligned.
+  return dispatch_dtype(dtype, [&]<typename T>() {
+    return dispatch_activation(act, [&]<Activation A>() {
+      constexpr int kWide = 16 / sizeof(T);
+      const bool vec = cols % kWide == 0;
+      int per_sm = 0;
+      const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &per_sm, vec ? bias_act_backward_kernel<T, A, kWide, kBackwardUnroll>
+                       : bias_act_backward_kernel<T, A, 1, kBackwardUnroll>,
+          kStripVecs * kStripRows, 0);
+      const int64_t strip = int64_t(kStripVecs) * (vec ? kWide : 1);
+      const int64_t strips = (cols + strip - 1) / strip;
+      const int64_t resident = int64_t(std::max(per_sm, 1)) * num_sms;
+      const int64_t most = (rows + kStripRows - 1) / kStripRows;  // >= 1 row a warp
+      *chunks = int(std::clamp<int64_t>(std::min(resident / strips, most), 1, 65535));
+      return err;
+    });
+  });
 }
 
 cudaError_t bias_act_backward(const void* dy, const void* pre, void* dz, float* dbias_partial, int64_t rows,
                               int64_t cols, int num_chunks, DType dtype, Activation act, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return cudaSuccess;
-  const int64_t strips = (cols + kStripCols - 1) / kStripCols;
-  if (strips > 0x7fffffff || num_chunks < 1 || num_chunks > 65535) return cudaErrorInvalidConfiguration;
+  if (num_chunks < 1 || num_chunks > 65535) return cudaErrorInvalidConfiguration;
   const int64_t rows_per_chunk = (rows + num_chunks - 1) / num_chunks;
   return dispatch_dtype(dtype, [&]<typename T>() {
     return dispatch_activation(act, [&]<Activation A>() {
+      constexpr int kWide = 16 / sizeof(T);
+      constexpr int kUnroll = kBackwardUnroll;
+      const bool vec = cols % kWide == 0 && aligned16(dy) && aligned16(pre) && aligned16(dz);
+      const int64_t strip = int64_t(kStripVecs) * (vec ? kWide : 1);
+      const int64_t strips = (cols + strip - 1) / strip;
+      if (strips > 0x7fffffff) return cudaErrorInvalidConfiguration;
       const dim3 grid{unsigned(strips), unsigned(num_chunks)};
-      const dim3 block{kStripCols, kStripRows};
-      bias_act_backward_kernel<T, A><<<grid, block, 0, stream>>>(static_cast<const T*>(dy),
-                                                                 static_cast<const T*>(pre), static_cast<T*>(dz),
-                                                                 dbias_partial, rows, cols, rows_per_chunk);
+      const dim3 block{kStripVecs, kStripRows};
+      if (vec) {
+        bias_act_backward_kernel<T, A, kWide, kUnroll><<<grid, block, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(pre), static_cast<T*>(dz), dbias_partial, rows, cols,
+            rows_per_chunk);
+      } else {
+        bias_act_backward_kernel<T, A, 1, kUnroll><<<grid, block, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(pre), static_cast<T*>(dz), dbias_partial, rows, cols,
+            rows_per_chunk);
+      }
       return cudaGetLastError();
     });
   });

@@ -113,6 +113,27 @@ std::tuple<at::Tensor, at::Tensor> bias_act_fwd(const at::Tensor& z, const std::
   return {y, pre};
 }
 
+// dz = dy * act'(pre) (dz may be dy) and dbias = the column sums of dz as stored, in dbias's
+// dtype: fp32 partials per row chunk in one pass, then their sum in a fixed order (bitwise
+// repeatable). dy, pre, dz: contiguous (rows, cols) of one 16-bit or fp32 dtype; dbias (cols).
+void act_grad_and_dbias(const at::Tensor& dy, const at::Tensor& pre, const at::Tensor& dz, Activation act,
+                        const at::Tensor& dbias, const char* op) {
+  const int64_t rows = dy.size(0), cols = dy.size(1);
+  const DType dtype = to_dtype(dy.scalar_type(), op, "dy");
+  const DType dbias_dtype = to_dtype(dbias.scalar_type(), op, "dbias_dtype");
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (rows == 0) {
+    dbias.zero_();
+    return;
+  }
+  int chunks = 1;
+  AMPK_CHECK_CUDA(bias_act_backward_chunks(rows, cols, dtype, act, num_sms(), &chunks));
+  at::Tensor partial = at::empty({chunks, cols}, dy.options().dtype(at::kFloat));
+  AMPK_CHECK_CUDA(bias_act_backward(dy.data_ptr(), pre.data_ptr(), dz.data_ptr(), partial.data_ptr<float>(), rows,
+                                    cols, chunks, dtype, act, stream));
+  AMPK_CHECK_CUDA(reduce_partials(partial.data_ptr<float>(), dbias.data_ptr(), chunks, cols, dbias_dtype, stream));
+}
+
 std::tuple<at::Tensor, at::Tensor> bias_act_bwd(const at::Tensor& dy, const at::Tensor& pre, int64_t activation,
                                                 std::optional<at::ScalarType> dbias_dtype) {
   constexpr const char* op = "bias_act_bwd_cuda";
@@ -125,26 +146,16 @@ std::tuple<at::Tensor, at::Tensor> bias_act_bwd(const at::Tensor& dy, const at::
   TORCH_CHECK(dy.scalar_type() == pre.scalar_type(), op, ": dy and pre must share a dtype, got ",
               dy.scalar_type(), " and ", pre.scalar_type());
   const DType dtype = to_dtype(dy.scalar_type(), op, "dy");
+  const Activation act = to_activation(activation, op);
   const c10::cuda::CUDAGuard guard(dy.device());
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const int64_t rows = dy.size(0), cols = dy.size(1);
   at::Tensor dz = at::empty_like(dy);
   if (!dbias_dtype) {
-    AMPK_CHECK_CUDA(bias_act_backward(dy.data_ptr(), pre.data_ptr(), dz.data_ptr(), nullptr, rows, cols, 1, dtype,
-                                      to_activation(activation, op), stream));
+    AMPK_CHECK_CUDA(bias_act_backward(dy.data_ptr(), pre.data_ptr(), dz.data_ptr(), nullptr, dy.size(0), dy.size(1),
+                                      1, dtype, act, at::cuda::getCurrentCUDAStream()));
     return {dz, at::empty({0}, dy.options())};
   }
-  const DType out_dtype = to_dtype(*dbias_dtype, op, "dbias_dtype");
-  const int chunks = bias_act_backward_chunks(rows, cols, num_sms());
-  at::Tensor partial = at::empty({chunks, cols}, dy.options().dtype(at::kFloat));
-  at::Tensor dbias = at::empty({cols}, dy.options().dtype(*dbias_dtype));
-  AMPK_CHECK_CUDA(bias_act_backward(dy.data_ptr(), pre.data_ptr(), dz.data_ptr(), partial.data_ptr<float>(), rows,
-                                    cols, chunks, dtype, to_activation(activation, op), stream));
-  if (rows == 0) {
-    dbias.zero_();
-  } else {
-    AMPK_CHECK_CUDA(reduce_partials(partial.data_ptr<float>(), dbias.data_ptr(), chunks, cols, out_dtype, stream));
-  }
+  at::Tensor dbias = at::empty({dy.size(1)}, dy.options().dtype(*dbias_dtype));
+  act_grad_and_dbias(dy, pre, dz, act, dbias, op);
   return {dz, dbias};
 }
 
@@ -334,11 +345,14 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
 //   forward  y^T (N x M)  = W(N x K) . x^T(K x M):  A = W (K x N stored, transposed), B = x (K x M)
 //   dx^T     (K x M)      = W^T(K x N) . dz^T(N x M):  A = W (K x N), B = dz (N x M)
 //   dW^T     (K x N)      = x^T(K x M) . dz(M x N):    A = x (K x M), B = dz (N x M, transposed);
-//                           BGRADB sums op(B) = dz over M: dbias, fused into this GEMM.
+//                           for identity, BGRADB sums op(B) = dz over M: dbias, fused into this
+//                           GEMM (cuBLASLt runs it as a kernel of its own after the GEMM: other
+//                           activations sum dbias in their act' pass instead, at no extra read).
 // Epilogues fuse bias, ReLU and GELU(tanh) (+ its pre-activation as aux). cuBLASLt's
 // DGELU/DRELU_BGRAD epilogues multiply a GEMM's *output* by act'(aux); in one layer's
 // backward act' multiplies the GEMM's *input* dz, so they do not apply here: dz = dy * act'(pre)
-// is one vectorised elementwise pass (act_backward in linear_act.cu). Other activations (erf
+// is one vectorised elementwise pass (act_backward in linear_act.cu; bias_act_backward in
+// bias_act.cu when it also sums dbias). Other activations (erf
 // GELU, SiLU, squared ReLU) run the GEMM with the bias epilogue, then the bias_act kernel.
 // Inputs cuBLASLt cannot take with a fused epilogue (pointers not 16-byte aligned, N or K not
 // multiples of 8, K = 0) run the explicit fallback: at::mm (cuBLAS, any alignment) + the
@@ -490,6 +504,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& 
     return {dx, dw, db};
   }
   at::Tensor dz = dy;
+  bool db_done = false;
   if (act != Activation::kIdentity) {
     check_same_device(saved, x, op, "saved", "x");
     check_contiguous(saved, op, "saved");
@@ -497,7 +512,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& 
                 ": saved must match dy (", dy.sizes(), ", ", dy.scalar_type(), "), got ", saved.sizes(), ", ",
                 saved.scalar_type());
     dz = at::empty_like(dy);
-    AMPK_CHECK_CUDA(act_backward(dy.data_ptr(), saved.data_ptr(), dz.data_ptr(), M * N, dtype, act, num_sms(), stream));
+    if (need_db) {  // dbias from the act' pass, not from BGRADB: cuBLASLt runs that as a kernel of its own
+      act_grad_and_dbias(dy, saved, dz, act, db, op);
+      db_done = true;
+    } else {
+      AMPK_CHECK_CUDA(act_backward(dy.data_ptr(), saved.data_ptr(), dz.data_ptr(), M * N, dtype, act, num_sms(),
+                                   stream));
+    }
   }
   const bool lt = fuse && lt_fusable(x, weight, N, K) && lt_aligned(dz);
   if (need_dx) {
@@ -505,16 +526,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& 
                    LtEpilogue::kDefault, nullptr, nullptr, 0};
     if (!(lt && try_lt(g, x))) dx.copy_(dz.mm(weight));
   }
-  bool db_done = false;
   if (need_dw) {
+    const bool bgrad = need_db && !db_done;  // identity: the bias gradient fused into this GEMM
     LtGemm g{K, N, M, false, true, x.data_ptr(), K, dz.data_ptr(), N, dw.data_ptr(), K, dtype,
-             need_db ? LtEpilogue::kBGradB : LtEpilogue::kDefault, need_db ? db.data_ptr() : nullptr, nullptr, 0};
-    db_done = need_db && lt && try_lt(g, x);
-    if (!db_done) {
+             bgrad ? LtEpilogue::kBGradB : LtEpilogue::kDefault, bgrad ? db.data_ptr() : nullptr, nullptr, 0};
+    bool dw_done = lt && try_lt(g, x);
+    db_done = db_done || (bgrad && dw_done);
+    if (!dw_done && bgrad) {  // no BGRADB algorithm: the plain GEMM, dbias summed below
       g.epilogue = LtEpilogue::kDefault;
       g.bias = nullptr;
-      if (!(lt && try_lt(g, x))) dw.copy_(dz.t().mm(x));
+      dw_done = lt && try_lt(g, x);
     }
+    if (!dw_done) dw.copy_(dz.t().mm(x));
   }
   if (need_db && !db_done) db.copy_(dz.sum(at::IntArrayRef{0}, false, at::kFloat));  // fp32 accumulation, fixed order
   return {dx, dw, db};
@@ -523,7 +546,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& 
 // dy *= act'(saved), in place: for a caller that owns dy (fused_mlp's backward, on its dh
 // temporary), so the act' pass needs no second hidden-sized buffer. linear_act_bwd above
 // writes a new dz instead: its dy is autograd's gradient, which others may still read.
-void act_backward_inplace(const at::Tensor& dy, const at::Tensor& saved, int64_t activation) {
+// need_db: also returns the fp32 column sums of the result (the bias gradient), from the same
+// pass; else an empty tensor.
+at::Tensor act_backward_inplace(const at::Tensor& dy, const at::Tensor& saved, int64_t activation, bool need_db) {
   constexpr const char* op = "act_backward_cuda_";
   check_cuda(dy, op, "dy");
   check_same_device(saved, dy, op, "saved", "dy");
@@ -534,11 +559,18 @@ void act_backward_inplace(const at::Tensor& dy, const at::Tensor& saved, int64_t
   TORCH_CHECK(saved.sizes() == dy.sizes() && saved.scalar_type() == dy.scalar_type(), op,
               ": saved must match dy (", dy.sizes(), ", ", dy.scalar_type(), "), got ", saved.sizes(), ", ",
               saved.scalar_type());
+  TORCH_CHECK(!need_db || dy.dim() == 2, op, ": need_db wants a 2-D dy (rows, features), got ", dy.sizes());
   const Activation act = to_activation(activation, op);
   const DType dtype = to_dtype(dy.scalar_type(), op, "dy");
   const c10::cuda::CUDAGuard guard(dy.device());
+  if (need_db) {
+    at::Tensor db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
+    act_grad_and_dbias(dy, saved, dy, act, db, op);
+    return db;
+  }
   AMPK_CHECK_CUDA(act_backward(dy.data_ptr(), saved.data_ptr(), dy.data_ptr(), dy.numel(), dtype, act, num_sms(),
                                at::cuda::getCurrentCUDAStream()));
+  return at::empty({0}, dy.options().dtype(at::kFloat));
 }
 
 int64_t linear_act_lt_plans() { return int64_t(lt_cached_plans()); }
@@ -549,7 +581,7 @@ TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
   m.def("linear_act_bwd_cuda(Tensor dy, Tensor x, Tensor weight, Tensor saved, int activation, bool need_dx,"
         " bool need_dw, bool need_db, bool fuse) -> (Tensor dx, Tensor dweight, Tensor dbias)");
   m.def("linear_act_lt_plans_cuda() -> int", &linear_act_lt_plans);
-  m.def("act_backward_cuda_(Tensor(a!) dy, Tensor saved, int activation) -> ()");
+  m.def("act_backward_cuda_(Tensor(a!) dy, Tensor saved, int activation, bool need_db) -> Tensor dbias");
 }
 TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
   m.impl("linear_act_fwd_cuda", &linear_act_fwd);

@@ -39,7 +39,9 @@ def _probe_shape(say, m, n, dtype, act):
         say(f"{m}x{n} {str(dtype)[6:]} {name:38s} {us:8.1f} us {gb / us * 1e3:5.2f} TB/s")
 
     row("torch mul (same traffic)", lambda: torch.mul(dy, saved, out=out))
-    row("cuda act' pass (no db)", lambda: torch.ops.ampkernels.act_backward_cuda_(dy, saved, act))
+    row("cuda act' pass (no db)", lambda: torch.ops.ampkernels.act_backward_cuda_(dy, saved, act, False))
+    row("cuda act' pass db=1", lambda: torch.ops.ampkernels.act_backward_cuda_(dy, saved, act, True))
+    row("cuda bias_act_bwd db=1 (new dz)", lambda: torch.ops.ampkernels.bias_act_bwd_cuda(dy, saved, act, torch.float32))
     for launch in [(64, 128, 16, 4), (64, 128, 32, 4), (128, 128, 16, 4), (128, 128, 32, 8),
                    (32, 128, 16, 4), (64, 256, 16, 8)]:
         for want_db in (True, False):

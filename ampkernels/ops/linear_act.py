@@ -3,7 +3,8 @@
 Backends:
 - "cuda": cuBLASLt with fused epilogues (csrc/linear_act.cu, section linear_act of
   csrc/ops.cpp): bias, ReLU and GELU(tanh) (+ the pre-activation as aux output) in the GEMM
-  epilogue; the bias gradient fused into the weight-gradient GEMM (BGRADB). Activations
+  epilogue; backward: dz = dy*act'(pre) and dbias in one pass (bias_act_backward), then the
+  two GEMMs (identity: dbias fused into the weight-gradient GEMM, BGRADB). Activations
   cuBLASLt has no epilogue for (erf GELU, SiLU, squared ReLU) run GEMM+bias, then the fused
   bias_act kernel in place. Inputs cuBLASLt cannot take fused (pointers not 16-byte aligned,
   N or K not multiples of 8) run the explicit fallback: at::mm + the bias_act kernel.
@@ -106,12 +107,12 @@ def _act_backward_(dy, saved, activation, need_db, backend):
     needs no second hidden-sized buffer. linear_act's own backward never calls it: there dy is
     autograd's gradient, which the user or other nodes may still read."""
     if backend == "cuda":
-        torch.ops.ampkernels.act_backward_cuda_(dy, saved, reference.activation_id(activation))
-    elif backend == "triton":
+        db = torch.ops.ampkernels.act_backward_cuda_(dy, saved, reference.activation_id(activation), need_db)
+        return db if need_db else None
+    if backend == "triton":
         from ..triton import linear_act as tk
         return tk.linear_act_dz(dy, saved, reference.activation_id(activation), need_db, out=dy)[1]
-    else:
-        reference.act_backward_into(dy, saved, activation, dy)
+    reference.act_backward_into(dy, saved, activation, dy)
     return dy.sum(0, dtype=torch.float32) if need_db else None
 
 

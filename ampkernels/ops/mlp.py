@@ -54,14 +54,14 @@ def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
     _, dw2, db2 = _la_bwd(dout, h, w2, None, "identity", False, True, b2_dtype is not None, backend)
     del h
     # 2. dh = dout W2, then dz = dh * act'(pre) IN PLACE: dh is this function's own temporary
-    #    (never visible outside), so the act' pass needs no third hidden-sized buffer. Triton
-    #    sums db1 in the same pass; cuda fuses it into the dw1 GEMM below; torch sums dz.
+    #    (never visible outside), so the act' pass needs no third hidden-sized buffer. cuda and
+    #    Triton sum db1 in the same pass; torch sums dz.
     #    AMPKERNELS_TRITON_FUSED_DGRAD=1: Triton in one GEMM with act' and db1 in its epilogue.
     fused = None
     if backend == "triton" and activation != "identity" and os.environ.get("AMPKERNELS_TRITON_FUSED_DGRAD") == "1":
         from ..triton import linear_act as tk
         fused = tk.matmul_act_grad(dout, w2, pre, reference.activation_id(activation), b1_dtype is not None)
-    db1_in_dz_pass = backend == "triton" and b1_dtype is not None
+    db1_in_dz_pass = backend in ("cuda", "triton") and b1_dtype is not None
     if fused is not None:
         dh, db1_32 = fused
     else:
