@@ -9,7 +9,11 @@
 #
 # GPU_TESTS: pytest paths/args for `pytest -m gpu` ("none" skips; split on spaces, so a -k expression
 # there must be one word: at 7cf8101 "-k a or b" ran nothing); GPU_TESTS_K: a -k expression of any
-# length; the 15 slowest tests are listed at the end of tests.log; GPU_BENCH: benchmark
+# length (its words also match the names of the directories above the tests: at 46194bc, with
+# "hopper or pingpong or tma or ..." every GPU test of the files ran, presumably as a directory of
+# the device's copy is named like one of them (env.txt records the path); use words only test
+# names have); the 15 slowest tests are
+# listed at the end of tests.log; GPU_BENCH: benchmark
 # ops (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows; set it literally, from this side's git (the
 # copy's .git HEAD may not be the copied tree: at 8bc7e59..4ce559d a $(git rev-parse) run on the
@@ -52,7 +56,7 @@ step() {  # step NAME LOGFILE CMD...: run, log, remember the exit code
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-  echo "commit ${AMPKERNELS_COMMIT:-unknown}"; } >"$OUT/env.txt" 2>&1
+  echo "commit ${AMPKERNELS_COMMIT:-unknown}"; echo "checkout $PWD"; } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
 if [ "${GPU_JIT_CHECK:-0}" = 1 ]; then
