@@ -24,7 +24,8 @@
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
 # GPU_PROBE=scripts/<probe>.py runs that probe with --out $OUT (PROBE_TIMEOUT caps it).
 # GPU_NCU=1 runs scripts/ncu_norm.sh (Nsight Compute over single norm forward launches; NCU_*
-# variables pass on) into ncu-norm.txt.
+# variables pass on) into ncu-norm.txt; GPU_NCU=pingpong scripts/ncu_pingpong.sh (the Hopper
+# ping-pong linear_act forward, ReLU against erf GELU) into ncu-pingpong.txt.
 # GPU_NORM_TUNE=1 runs the Triton norm forward's launch sweep (fp16, bf16) into norm-sweep.jsonl
 # (progress in norm-tune.log); GPU_NORM_TUNE=ab the CUDA norm backward's pipeline depth A/B
 # (scripts/norm_ab.py: the model's pick, then kIters forced to 2, 3 and 4) into norm-tune.log.
@@ -108,6 +109,8 @@ if [ "${GPU_SANITIZE:-0}" = 1 ]; then
 fi
 if [ "${GPU_NCU:-0}" = 1 ]; then
   step ncu ncu.log env OUT="$OUT" bash scripts/ncu_norm.sh
+elif [ "${GPU_NCU:-0}" = pingpong ]; then
+  step ncu ncu.log env OUT="$OUT" bash scripts/ncu_pingpong.sh
 fi
 if [ -n "${GPU_PROBE:-}" ]; then  # e.g. GPU_PROBE=scripts/matmul_act_grad_probe.py: writes its own log under $OUT
   step probe probe.out timeout "${PROBE_TIMEOUT:-600}" $PY "$GPU_PROBE" --out "$OUT"
