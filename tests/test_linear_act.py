@@ -615,30 +615,6 @@ def test_gpu_act_backward_nan_and_inf_as_reference(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
-@pytest.mark.parametrize("shape", [(1, 8), (3000, 520), (257, 13), (64, 4104)])
-def test_gpu_act_backward_in_place_with_dbias(backend, shape):
-    # fused_mlp's dz pass: dy *= act'(pre) in place and the bias gradient from the same pass.
-    # 13 columns: the CUDA kernel's one-element path; 520 and 4104: vectors in strips that the
-    # last one does not fill; dbias bitwise the same over two runs
-    for dtype in GPU_DTYPES:
-        pre, dy = randn(*shape, dtype=dtype, device="cuda"), randn(*shape, dtype=dtype, device="cuda")
-        for activation in ACTS:
-            runs = []
-            for _ in range(2):
-                dz = dy.clone()
-                runs.append((dz, la._act_backward_(dz, pre, activation, True, backend)))
-            (dz, db), (dz2, db2) = runs
-            want = dy.double() * reference.act_grad(pre.double(), activation)
-            assert_rel_close(dz, want, dtype)
-            assert db.dtype == torch.float32 and db.shape == (shape[1],)
-            # fp32 sums of dz as stored: within 1e-5 of the column's absolute sum of the exact total
-            err = (db.double() - dz.double().sum(0)).abs()
-            assert (err <= 1e-5 * dz.double().abs().sum(0)).all(), f"{activation}: dbias off by {err.max():.2e}"
-            assert torch.equal(db, db2) and torch.equal(dz, dz2), activation
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_gpu_triton_act_forward_is_the_forward_epilogue(dtype):
     _check_act_forward(dtype, "cuda")

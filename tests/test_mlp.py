@@ -222,15 +222,19 @@ def test_mlp_peak_memory_gpu(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 def test_act_backward_in_place_gpu(activation):
+    # 37 x 517: columns not a multiple of 8, the CUDA kernel's one-element path; 3000 x 520 and
+    # 64 x 4104: 16-byte vectors in column strips the last of which is partly filled; one row
     for backend in ("cuda", "triton"):
-        for shape in ((300, 520), (37, 517)):  # 37 x 517: numel not a multiple of 8, the one-element kernel
+        for shape in ((300, 520), (37, 517), (3000, 520), (64, 4104), (1, 8)):
             dy = randn(*shape, dtype=torch.bfloat16, device="cuda")
             pre = randn(*shape, dtype=torch.bfloat16, device="cuda", scale=2)
             want, _ = reference.bias_act_backward(dy, pre, activation)
-            buf = dy.clone()
+            buf, again = dy.clone(), dy.clone()
             db = _act_backward_(buf, pre, activation, True, backend)
             assert_rel_close(buf, want.double(), torch.bfloat16, what=f"{backend} dz {shape}")
             assert_rel_close(db, buf.double().sum(0), torch.float32, what=f"{backend} dbias {shape}")
+            db_again = _act_backward_(again, pre, activation, True, backend)
+            assert torch.equal(buf, again) and torch.equal(db, db_again), f"{backend} {shape}: not repeatable"
 
 
 @pytest.mark.gpu
