@@ -21,6 +21,7 @@ What it does not see, and why that is fine for comparing blocks:
 Each live entry is labelled with the op that made it and, in backward, the autograd node
 that was running (e.g. AddmmBackward0), so a breakdown reads like the code.
 """
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class StorageTracker(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live = {}          # storage key -> Entry
+        self.storages = {}      # storage key -> weakref to the storage, to see resizes
         self.current = 0
         self.peak = 0
         self.at_peak = []       # the entries alive when the peak was reached
@@ -57,6 +59,7 @@ class StorageTracker(TorchDispatchMode):
         self._seq = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._refresh()
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         node = torch._C._current_autograd_node()
@@ -68,7 +71,8 @@ class StorageTracker(TorchDispatchMode):
                 self._track(t, func, node, inputs)
         if self.current > self.peak:
             self.peak = self.current
-            self.at_peak = sorted(self.live.values(), key=lambda e: (-e.nbytes, e.seq))
+            # copies: an entry's nbytes may change later (a storage freed early by resize_)
+            self.at_peak = sorted((dataclasses.replace(e) for e in self.live.values()), key=lambda e: (-e.nbytes, e.seq))
             self.peak_op = f"{node + '/' if node else ''}{func}"
         return out
 
@@ -83,10 +87,21 @@ class StorageTracker(TorchDispatchMode):
             return
         self._seq += 1
         self.live[key] = Entry(str(func), node, tuple(t.shape), t.dtype, s.nbytes(), self._seq)
+        self.storages[key] = weakref.ref(s)
         self.current += s.nbytes()
         weakref.finalize(s, self._free, key)
 
+    def _refresh(self):
+        # storages resized outside any aten op (untyped_storage().resize_(0) frees one early, as
+        # fused_mlp's backward does with pre) count what they hold now
+        for key, ref in self.storages.items():
+            s, e = ref(), self.live.get(key)
+            if s is not None and e is not None and s.nbytes() != e.nbytes:
+                self.current += s.nbytes() - e.nbytes
+                e.nbytes = s.nbytes()
+
     def _free(self, key):
+        self.storages.pop(key, None)
         e = self.live.pop(key, None)
         if e is not None:
             self.current -= e.nbytes

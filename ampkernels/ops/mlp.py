@@ -10,8 +10,9 @@ Eager calls run the implementations directly; torch.compile and opcheck see the 
 storing the pre-activation, then a GEMM + bias. Backward, ordered so that at most two
 hidden-sized tensors are alive (pre and one more): h recomputed by the bias_act kernel (Triton:
 act_forward, the forward epilogue's formulas: the forward's bits), dw2 (+ db2) from it, h freed;
-dh = dout W2 with act'(pre) applied to it in place (dh is the backward's own temporary); then
-layer 1's GEMMs (bias gradients accumulated in fp32).
+dh = dout W2 with act'(pre) applied to it in place (dh is the backward's own temporary); pre
+freed there unless the graph is kept (retain_graph); then layer 1's GEMMs (bias gradients
+accumulated in fp32).
 tests/memory.py measures this on CPU (`python -m tests.memory`). Pieces in data order:
 custom ops (forward, backward) with fakes -> autograd Function -> functional API.
 
@@ -42,8 +43,10 @@ def _fwd_impl(x, w1, b1, w2, b2, activation, backend):
     return F.linear(h, w2, b2), pre
 
 
-def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
+def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend, release_pre=False):
     # At most two hidden-sized tensors alive: pre (saved) and one of h, dh/dz, in this order.
+    # release_pre: free pre's memory once act' has read it, before layer 1's gradients exist
+    # (FusedMLPFunction.backward says when that is safe).
     # 1. layer 2's weight (and bias) gradient from the recomputed post-activation h, which is
     #    freed before dh exists (cuda: the bias gradient fused into the weight-gradient GEMM)
     if backend == "triton":  # the forward epilogue's formulas on the same pre: h bit for bit
@@ -67,6 +70,8 @@ def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
     else:
         dh = dout.mm(w2)
         db1_32 = _act_backward_(dh, pre, activation, db1_in_dz_pass, backend)
+    if release_pre:
+        pre.untyped_storage().resize_(0)
     # 3. layer 1 with act' already applied: an identity linear_act backward on dz
     dx, dw1, db1 = _la_bwd(dh, x, w1, None, "identity", True, True, b1_dtype is not None and not db1_in_dz_pass,
                            backend)
@@ -102,6 +107,19 @@ def _(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
             bias_grad(b2_dtype, w2.shape[0]))
 
 
+def _pre_dies_with_this_backward(pre):
+    """True when the saved pre-activation may be freed inside backward, as soon as it is used.
+
+    Autograd frees a node's saved tensors after its backward unless the graph is kept
+    (retain_graph / create_graph): then a later backward reads pre again, and it stays. pre
+    must own its whole storage (forward made it; a saved-tensor hook may hand back something
+    else). Freeing it before layer 1's gradients are formed lowers the step's peak where weight
+    gradients are large against activations (T=8192, H=4096: pre is 256 MiB)."""
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return (keep_graph is not None and not keep_graph() and pre._base is None
+            and pre.untyped_storage().nbytes() == pre.numel() * pre.element_size())
+
+
 class FusedMLPFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -117,8 +135,11 @@ class FusedMLPFunction(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dout):
         x, w1, w2, pre = ctx.saved_tensors
-        op = _bwd_impl if _eager_call(dout, x, w1, w2, pre) else torch.ops.ampkernels.fused_mlp_bwd
-        dx, dw1, db1, dw2, db2 = op(dout.contiguous(), x, w1, w2, pre, ctx.activation, *ctx.bias_dtypes, ctx.backend)
+        args = (dout.contiguous(), x, w1, w2, pre, ctx.activation, *ctx.bias_dtypes, ctx.backend)
+        if _eager_call(dout, x, w1, w2, pre):
+            dx, dw1, db1, dw2, db2 = _bwd_impl(*args, release_pre=_pre_dies_with_this_backward(pre))
+        else:
+            dx, dw1, db1, dw2, db2 = torch.ops.ampkernels.fused_mlp_bwd(*args)
         none_if_empty = lambda g, dt: None if dt is None else g  # noqa: E731
         return (dx, dw1, none_if_empty(db1, ctx.bias_dtypes[0]), dw2, none_if_empty(db2, ctx.bias_dtypes[1]),
                 None, None)
