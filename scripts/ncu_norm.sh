@@ -12,12 +12,8 @@
 #   line) of each case as $OUT/ncu-source-<op>-<backend>-<N>-<params>.csv, to see where a
 #   kernel's instructions go (at c2c6bb7 the CUDA LayerNorm forward issued ~990 a warp at
 #   N = 4096 against Triton's ~540).
-# ncu runs with --clock-control none (the device notes ask to leave the clocks alone).
-set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+. scripts/ncu_common.sh
 report="$OUT/ncu-norm.txt"
 # op:backend:N:params (params "x" = x's dtype, "fp32" = the AMP case); x is bf16, M*N = 2^27
 CASES=${NCU_CASES:-"layer_norm:cuda:4096:x rms_norm:cuda:4096:x layer_norm:triton:4096:x layer_norm:cuda:4096:fp32 layer_norm:cuda:16384:fp32 rms_norm:cuda:16384:fp32"}
@@ -40,14 +36,10 @@ for _ in range(3):
         ampkernels.rms_norm(x, (n,), w, backend='$backend')
 torch.cuda.synchronize()
 "
-  timeout "${NCU_TIMEOUT:-120}" "$NCU" --clock-control none --target-processes all $SECTIONS \
-    -k "regex:norm_fwd" --launch-skip 2 --launch-count 1 python3 -c "$script" >>"$report" 2>&1
-  echo "rc=$?" >>"$report"
+  # shellcheck disable=SC2086
+  ncu_details "$report" norm_fwd "$script" $SECTIONS
   if [ "${NCU_SOURCE:-0}" = 1 ]; then
-    timeout "${NCU_TIMEOUT:-120}" "$NCU" --clock-control none --target-processes all --section SourceCounters \
-      --page source --print-source sass --csv -k "regex:norm_fwd" --launch-skip 2 --launch-count 1 \
-      python3 -c "$script" >"$OUT/ncu-source-$op-$backend-$n-$params.csv" 2>&1
-    echo "source page rc=$? ($OUT/ncu-source-$op-$backend-$n-$params.csv)" >>"$report"
+    ncu_source "$report" norm_fwd "$script" "$OUT/ncu-source-$op-$backend-$n-$params.csv"
   fi
 done
 grep -E "^== |rc=|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|L1/TEX Hit|L2 Hit" "$report" | head -120

@@ -9,12 +9,8 @@
 # Writes $OUT/ncu-pingpong.txt (ncu's details page per case) and, per case, the per-SASS-line
 # page as $OUT/ncu-source-pingpong-<act>-<M>x<K>x<N>.csv (scripts/ncu_source_summary.py reads it).
 #   NCU_CASES="gelu:4096:768:3072 relu:4096:768:3072"   NCU_TIMEOUT=120 (per case)
-# ncu runs with --clock-control none (the device notes ask to leave the clocks alone).
-set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+. scripts/ncu_common.sh
 report="$OUT/ncu-pingpong.txt"
 CASES=${NCU_CASES:-"relu:4096:768:3072 gelu:4096:768:3072"}
 SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy \
@@ -23,7 +19,6 @@ SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section Lau
 for case in $CASES; do
   IFS=: read -r act m k n <<<"$case"
   echo "== $case" | tee -a "$report"
-  # three launches: the first compiles and warms the caches; ncu profiles the third
   script="
 import torch
 from ampkernels.reference import ACTIVATIONS
@@ -38,13 +33,8 @@ for _ in range(3):
     pp.linear_act_fwd_pingpong(x, w, b, ACTIVATIONS.index('$act'), y, None, sms)
 torch.cuda.synchronize()
 "
-  timeout "${NCU_TIMEOUT:-120}" "$NCU" --clock-control none --target-processes all $SECTIONS \
-    -k "regex:pingpong" --launch-skip 2 --launch-count 1 python3 -c "$script" >>"$report" 2>&1
-  echo "rc=$?" >>"$report"
-  csv="$OUT/ncu-source-pingpong-$act-${m}x${k}x${n}.csv"
-  timeout "${NCU_TIMEOUT:-120}" "$NCU" --clock-control none --target-processes all --section SourceCounters \
-    --page source --print-source sass --csv -k "regex:pingpong" --launch-skip 2 --launch-count 1 \
-    python3 -c "$script" >"$csv" 2>&1
-  echo "source page rc=$? ($csv)" >>"$report"
+  # shellcheck disable=SC2086
+  ncu_details "$report" pingpong "$script" $SECTIONS
+  ncu_source "$report" pingpong "$script" "$OUT/ncu-source-pingpong-$act-${m}x${k}x${n}.csv"
 done
 grep -E "^== |rc=|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Executed Ipc|No Eligible|Registers Per" "$report" | head -80
