@@ -21,9 +21,8 @@ enum class Activation : int { kIdentity = 0, kReLU = 1, kGELU = 2, kGELUTanh = 3
 cudaError_t bias_act_forward(const void* z, const void* bias, void* y, void* pre, int64_t rows, int64_t cols,
                              DType dtype, DType bias_dtype, Activation act, cudaStream_t stream);
 
-// dz = dy * act'(pre); dz may be dy (in place). When dbias_partial is not nullptr, also writes
-// fp32 column sums of dz, one row of `cols` per row chunk: dbias_partial[num_chunks][cols].
-// Deterministic (no atomics).
+// dz = dy * act'(pre) (dz may be dy: in place) and the fp32 column sums of dz, one row of
+// `cols` per row chunk: dbias_partial[num_chunks][cols]. Deterministic (no atomics).
 cudaError_t bias_act_backward(const void* dy, const void* pre, void* dz, float* dbias_partial, int64_t rows,
                               int64_t cols, int num_chunks, DType dtype, Activation act, cudaStream_t stream);
 

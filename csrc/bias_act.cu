@@ -3,8 +3,9 @@
 //
 // Forward: a thread owns kUnroll vectors of kVec consecutive elements of one row a step (16-byte
 // loads when cols and pointers allow, else 1 element); y = act(z + bias), pre = z + bias.
-// Backward: a block owns a strip of 32 vectors (or 32 columns) of one row chunk; it writes
-// dz = dy*act'(pre) and the fp32 column sums of its chunk to dbias_partial[chunk];
+// Backward with the bias gradient (without it, act_backward in linear_act.cu is the flat
+// elementwise pass): a block owns a strip of 32 vectors (or 32 columns) of one row chunk; it
+// writes dz = dy*act'(pre) and the fp32 column sums of its chunk to dbias_partial[chunk];
 // reduce_partials then adds the chunks in a fixed order, so dbias is bitwise repeatable.
 #include <algorithm>
 
@@ -108,7 +109,6 @@ __global__ void bias_act_backward_kernel(const T* dy, const T* __restrict__ pre,
       }
     }
   }
-  if (dbias_partial == nullptr) return;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) sums[threadIdx.y][threadIdx.x * kVec + k] = acc[k];
   __syncthreads();

@@ -149,9 +149,9 @@ std::tuple<at::Tensor, at::Tensor> bias_act_bwd(const at::Tensor& dy, const at::
   const Activation act = to_activation(activation, op);
   const c10::cuda::CUDAGuard guard(dy.device());
   at::Tensor dz = at::empty_like(dy);
-  if (!dbias_dtype) {
-    AMPK_CHECK_CUDA(bias_act_backward(dy.data_ptr(), pre.data_ptr(), dz.data_ptr(), nullptr, dy.size(0), dy.size(1),
-                                      1, dtype, act, at::cuda::getCurrentCUDAStream()));
+  if (!dbias_dtype) {  // the flat elementwise pass: no column sums to keep per strip
+    AMPK_CHECK_CUDA(act_backward(dy.data_ptr(), pre.data_ptr(), dz.data_ptr(), dy.numel(), dtype, act, num_sms(),
+                                 at::cuda::getCurrentCUDAStream()));
     return {dz, at::empty({0}, dy.options())};
   }
   at::Tensor dbias = at::empty({dy.size(1)}, dy.options().dtype(*dbias_dtype));
