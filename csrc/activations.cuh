@@ -31,7 +31,41 @@ __device__ __forceinline__ float act_fwd(float z) {
   }
 }
 
-// d act / dz at z.
+// The SFU's approximate 2^x and 1/x (~2 ulp of fp32; denormal results flushed to 0).
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Q(a) = P(N(0,1) > a) for a >= 0: t 2^(p(t) - a^2 log2(e) / 2), t = 1 / (1 + 0.4 a), p the
+// degree-8 fit of ampkernels/triton/epilogue.py _gaussian_tail (relative error < 2.5e-6 in
+// fp32 for a < 6); no cancellation where 1 + erf(x) loses its digits.
+__device__ __forceinline__ float gaussian_tail(float a) {
+  const float t = rcp_approx(1.f + 0.4f * a);
+  float p = 0.27394530177116394f;
+  p = p * t - 1.4028655290603638f;
+  p = p * t + 2.8012568950653076f;
+  p = p * t - 2.5152602195739746f;
+  p = p * t + 0.7742717862129211f;
+  p = p * t - 0.2584783434867859f;
+  p = p * t + 0.5360429883003235f;
+  p = p * t + 1.4386100769042969f;
+  p = p * t - 2.6475226879119873f;
+  return t * ex2_approx(p - 0.7213475204444817f * a * a);
+}
+
+// d act / dz at z. The backward passes stream two tensors in and one out. With erff / tanhf /
+// expf and a division, the CUDA act' pass fell behind its loads: 3.30-3.49 TB/s for erf GELU
+// against 3.81-4.01 for the Triton pass, which uses the forms below
+// (benchmarks/results/h200-2026-12-01-9836fa4-dz-pass-probe.log). Same formulas as
+// ampkernels/triton/epilogue.py _act_grad: within 2e-5 relative + 1e-6 absolute of float64;
+// NaN for NaN and, as torch's formulas give, for +-inf (inf * 0).
 template <Activation A>
 __device__ __forceinline__ float act_grad(float z) {
   if constexpr (A == Activation::kIdentity) {
@@ -39,12 +73,16 @@ __device__ __forceinline__ float act_grad(float z) {
   } else if constexpr (A == Activation::kReLU) {
     return z > 0.f ? 1.f : 0.f;
   } else if constexpr (A == Activation::kGELU) {
-    return 0.5f * (1.f + erff(z * kSqrt1_2)) + z * kInvSqrt2Pi * expf(-0.5f * z * z);
+    // Phi(z) + z phi(z): Phi = 1 - Q(z) for z >= 0, Q(-z) below; phi = 2^(-z^2 log2(e) / 2) / sqrt(2 pi)
+    const float q = gaussian_tail(fabsf(z));
+    return (z >= 0.f ? 1.f - q : q) + z * kInvSqrt2Pi * ex2_approx(-0.7213475204444817f * z * z);
   } else if constexpr (A == Activation::kGELUTanh) {
-    const float t = tanhf(kSqrt2OverPi * (z + kGeluTanhCoef * z * z * z));
-    return 0.5f * (1.f + t) + 0.5f * z * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluTanhCoef * z * z);
+    // s = sigmoid(2u) = 0.5 (1 + tanh u), u = sqrt(2/pi) (z + 0.044715 z^3); 1 - tanh^2 u = 4 s (1 - s).
+    // The exponent is -2 log2(e) u.
+    const float s = rcp_approx(1.f + ex2_approx(z * (-2.302208198f - 0.1029432396f * z * z)));
+    return s + 2.f * z * s * (1.f - s) * kSqrt2OverPi * (1.f + 3.f * kGeluTanhCoef * z * z);
   } else if constexpr (A == Activation::kSiLU) {
-    const float s = 1.f / (1.f + expf(-z));
+    const float s = rcp_approx(1.f + ex2_approx(-1.4426950408889634f * z));  // sigmoid(z)
     return s * (1.f + z * (1.f - s));
   } else {  // kSquaredReLU: 2 relu(z), NaN propagating
     return z > 0.f || z != z ? 2.f * z : 0.f;
