@@ -559,6 +559,27 @@ def test_extension_cpu_tensor_is_a_clear_error():
         torch.ops.ampkernels.act_backward_cuda_(x @ w.T, x @ w.T, 2, True)
 
 
+def test_cuda_and_triton_act_grad_share_their_constants():
+    # the CUDA backward's act' (csrc/activations.cuh) transcribes the Triton kernels' forms
+    # (ampkernels/triton/epilogue.py): the Gaussian-tail fit and the sigmoid exponents must not
+    # drift apart (each backend's GPU tests check its own accuracy against float64)
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def floats(path, start, end):
+        text = open(os.path.join(root, path)).read()
+        body = text[text.index(start):text.index(end, text.index(start))]
+        return [float(v) for v in re.findall(r"\d+\.\d{6,}", body)]
+
+    cuda_tail = floats("csrc/activations.cuh", "float gaussian_tail(", "\n}")
+    triton_tail = floats("ampkernels/triton/epilogue.py", "def _gaussian_tail(", "return t *")
+    assert len(cuda_tail) == 10 and cuda_tail[:9] == triton_tail[:9], (cuda_tail, triton_tail)
+    cuda_grad = floats("csrc/activations.cuh", "float act_grad(", "kSquaredReLU")
+    triton_grad = floats("ampkernels/triton/epilogue.py", "def _act_grad(", "squared relu")
+    for c in (0.7213475204444817, 2.302208198, 0.1029432396, 1.4426950408889634):
+        assert c in cuda_grad and c in triton_grad, c
+
+
 def test_benchmark_runs_and_reports(monkeypatch, tmp_path):
     # the benchmark's code path on tiny CPU shapes (numbers meaningless), then its report
     from benchmarks import bench_linear_act as bl
