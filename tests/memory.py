@@ -8,7 +8,8 @@ StorageTracker is a TorchDispatchMode: every aten op run while it is active (for
 CPU, the autograd engine's backward, which runs on the calling thread) reports its outputs;
 an output whose storage is new (shared with no input: not a view, not in-place, not out=) is
 counted with its storage's nbytes until that storage dies (a weakref finalizer on the storage
-object, which torch keeps alive exactly as long as the storage). `peak` is the most bytes
+object, which torch keeps alive exactly as long as the storage) or is resized (checked before
+every op: fused_mlp's backward frees its saved pre-activation with resize_(0)). `peak` is the most bytes
 alive after any op: the CPU stand-in for torch.cuda.max_memory_allocated() minus
 memory_allocated() before the step, as benchmarks/bench_mlp.py measures it on the GPU.
 
