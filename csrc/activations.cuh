@@ -100,6 +100,18 @@ template <> __device__ __forceinline__ float from_f32<float>(float v) { return v
 template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// Copies kVec consecutive elements: one 16-byte access when kVec > 1 (both pointers 16-byte
+// aligned, kVec * sizeof(T) == 16), else one element. The elementwise kernels' loads (into a
+// register array) and stores (to global memory).
+template <int kVec, typename T>
+__device__ __forceinline__ void copy_vec(T* dst, const T* src) {
+  if constexpr (kVec > 1) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else {
+    dst[0] = src[0];
+  }
+}
+
 // Runs f.template operator()<A>() with the activation known at compile time.
 template <typename F>
 cudaError_t dispatch_activation(Activation act, F&& f) {

@@ -27,11 +27,7 @@ __global__ void bias_act_forward_kernel(const T* __restrict__ z, const TB* __res
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * step;
       if (i >= numel) break;
-      if constexpr (kVec > 1) {
-        *reinterpret_cast<uint4*>(zv[u]) = *reinterpret_cast<const uint4*>(z + i);
-      } else {
-        zv[u][0] = z[i];
-      }
+      copy_vec<kVec>(zv[u], z + i);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -47,13 +43,8 @@ __global__ void bias_act_forward_kernel(const T* __restrict__ z, const TB* __res
         // act on the rounded pre-activation, as the unfused torch path (addmm then act) does
         yv[k] = from_f32<T>(act_fwd<A>(to_f32(zv[u][k])));
       }
-      if constexpr (kVec > 1) {
-        *reinterpret_cast<uint4*>(y + i) = *reinterpret_cast<const uint4*>(yv);
-        if (pre != nullptr) *reinterpret_cast<uint4*>(pre + i) = *reinterpret_cast<const uint4*>(zv[u]);
-      } else {
-        y[i] = yv[0];
-        if (pre != nullptr) pre[i] = zv[u][0];
-      }
+      copy_vec<kVec>(y + i, yv);
+      if (pre != nullptr) copy_vec<kVec>(pre + i, zv[u]);
     }
   }
 }
@@ -84,13 +75,8 @@ __global__ void bias_act_backward_kernel(const T* dy, const T* __restrict__ pre,
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t r = r0 + u * kStripRows;
         if (r >= row_end) break;
-        if constexpr (kVec > 1) {
-          *reinterpret_cast<uint4*>(g[u]) = *reinterpret_cast<const uint4*>(dy + r * cols + col);
-          *reinterpret_cast<uint4*>(s[u]) = *reinterpret_cast<const uint4*>(pre + r * cols + col);
-        } else {
-          g[u][0] = dy[r * cols + col];
-          s[u][0] = pre[r * cols + col];
-        }
+        copy_vec<kVec>(g[u], dy + r * cols + col);
+        copy_vec<kVec>(s[u], pre + r * cols + col);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -101,11 +87,7 @@ __global__ void bias_act_backward_kernel(const T* dy, const T* __restrict__ pre,
           g[u][k] = from_f32<T>(to_f32(g[u][k]) * act_grad<A>(to_f32(s[u][k])));
           acc[k] += to_f32(g[u][k]);  // dbias = sum of dz as stored, like torch's dz.sum(0)
         }
-        if constexpr (kVec > 1) {
-          *reinterpret_cast<uint4*>(dz + r * cols + col) = *reinterpret_cast<const uint4*>(g[u]);
-        } else {
-          dz[r * cols + col] = g[u][0];
-        }
+        copy_vec<kVec>(dz + r * cols + col, g[u]);
       }
     }
   }

@@ -48,13 +48,8 @@ __global__ void act_backward_kernel(const T* dy, const T* __restrict__ saved, T*
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * step;
       if (i >= numel) break;
-      if constexpr (kVec > 1) {
-        *reinterpret_cast<uint4*>(g[u]) = *reinterpret_cast<const uint4*>(dy + i);
-        *reinterpret_cast<uint4*>(s[u]) = *reinterpret_cast<const uint4*>(saved + i);
-      } else {
-        g[u][0] = dy[i];
-        s[u][0] = saved[i];
-      }
+      copy_vec<kVec>(g[u], dy + i);
+      copy_vec<kVec>(s[u], saved + i);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -62,11 +57,7 @@ __global__ void act_backward_kernel(const T* dy, const T* __restrict__ saved, T*
       if (i >= numel) break;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) g[u][k] = from_f32<T>(to_f32(g[u][k]) * act_grad<A>(to_f32(s[u][k])));
-      if constexpr (kVec > 1) {
-        *reinterpret_cast<uint4*>(dz + i) = *reinterpret_cast<const uint4*>(g[u]);
-      } else {
-        dz[i] = g[u][0];
-      }
+      copy_vec<kVec>(dz + i, g[u]);
     }
   }
 }
