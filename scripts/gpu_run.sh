@@ -21,7 +21,7 @@
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
-# GPU_PROBE=scripts/<probe>.py runs that probe with --out $OUT (PROBE_TIMEOUT caps it).
+# GPU_PROBE=scripts/<probe>.py runs that probe with $PROBE_ARGS --out $OUT (PROBE_TIMEOUT caps it).
 # GPU_NCU=1 runs scripts/ncu_norm.sh (Nsight Compute over single norm forward launches; NCU_*
 # variables pass on) into ncu-norm.txt; GPU_NCU=pingpong scripts/ncu_pingpong.sh (the Hopper
 # ping-pong linear_act forward, ReLU against erf GELU) into ncu-pingpong.txt.
@@ -112,7 +112,7 @@ elif [ "${GPU_NCU:-0}" = pingpong ]; then
   step ncu ncu.log env OUT="$OUT" bash scripts/ncu_pingpong.sh
 fi
 if [ -n "${GPU_PROBE:-}" ]; then  # e.g. GPU_PROBE=scripts/matmul_act_grad_probe.py: writes its own log under $OUT
-  step probe probe.out timeout "${PROBE_TIMEOUT:-600}" $PY "$GPU_PROBE" --out "$OUT"
+  step probe probe.out timeout "${PROBE_TIMEOUT:-600}" $PY "$GPU_PROBE" ${PROBE_ARGS:-} --out "$OUT"
 fi
 bench_spread() {  # one benchmark module per process, queued round-robin over the $ngpu GPUs
   local ops=$1 i=0 op
