@@ -174,8 +174,8 @@ def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_
     kind "fused": on CUDA, nn.LayerNorm(out_dtype="autocast") + nn.FusedMLP (`backend`, None =
     auto), as the benchmark runs them. On CPU, a LayerNorm emitting `dtype` (ln="kernel":
     KernelLikeLayerNorm, what the GPU kernels allocate; ln="torch": ampkernels' torch backend,
-    what runs on CPU), then FusedMLPFunction on `backend` (None = "torch") with the casts
-    fused_mlp makes under CUDA autocast.
+    what runs on CPU), then FusedMLPFunction on `backend` (None = "torch") given the fp32
+    parameters and the compute dtype, as fused_mlp calls it under CUDA autocast.
     kind "mlp-eager" / "mlp-fused": the MLP alone on a `dtype` (T, H) input (the norm's output),
     backward from a given gradient: what the MLP itself adds, no norm, no loss.
     """
@@ -197,8 +197,8 @@ def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_
         if dev.type == "cuda":  # the public op: casts under autocast, "auto" picks the backend
             from ampkernels.ops.mlp import fused_mlp as op
             return op(z, fc1.weight, fc1.bias, fc2.weight, fc2.bias, activation, backend=backend)
-        w1, b1, w2, b2 = (p.to(dtype) for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias))
-        return FusedMLPFunction.apply(z, w1, b1, w2, b2, activation, backend or "torch")
+        return FusedMLPFunction.apply(z, fc1.weight, fc1.bias, fc2.weight, fc2.bias, activation, backend or "torch",
+                                      dtype)
 
     if kind in ("eager", "fused"):
         if kind == "eager":

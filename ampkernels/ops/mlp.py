@@ -4,6 +4,8 @@ Memory is the point: backward keeps x, the weights and one hidden-sized tensor, 
 pre-activation (compute dtype). The post-activation h is produced in forward for the
 second GEMM and dropped; backward recomputes it from the pre-activation with one
 elementwise pass. Eager Linear -> act -> Linear keeps both (two hidden-sized tensors).
+Under autocast the weights are cast inside (FusedMLPFunction): w1 is kept as the fp32
+parameter and cast again late in backward; w2's cast is kept and freed once used.
 
 Eager calls run the implementations directly; torch.compile and opcheck see the custom ops
 (linear_act's _eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
@@ -11,8 +13,8 @@ storing the pre-activation, then a GEMM + bias. Backward, ordered so that at mos
 hidden-sized tensors are alive (pre and one more): h recomputed by the bias_act kernel (Triton:
 act_forward, the forward epilogue's formulas: the forward's bits), dw2 (+ db2) from it, h freed;
 dh = dout W2 with act'(pre) applied to it in place (dh is the backward's own temporary); pre
-freed there unless the graph is kept (retain_graph); then layer 1's GEMMs (bias gradients
-accumulated in fp32).
+freed there, with w2's cast, unless the graph is kept (retain_graph); then layer 1's GEMMs
+(bias gradients accumulated in fp32).
 tests/memory.py measures this on CPU (`python -m tests.memory`). Pieces in data order:
 custom ops (forward, backward) with fakes -> autograd Function -> functional API.
 
@@ -43,10 +45,13 @@ def _fwd_impl(x, w1, b1, w2, b2, activation, backend):
     return F.linear(h, w2, b2), pre
 
 
-def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend, release_pre=False):
+def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend, release_pre=False, release_w2=False):
     # At most two hidden-sized tensors alive: pre (saved) and one of h, dh/dz, in this order.
-    # release_pre: free pre's memory once act' has read it, before layer 1's gradients exist
-    # (FusedMLPFunction.backward says when that is safe).
+    # w1 may be the fp32 master weight (FusedMLPFunction keeps no cast of it): it is cast here,
+    # after pre is freed, and dw1 is returned in w1's dtype. w2 is in x's dtype.
+    # release_pre / release_w2: free pre's memory once act' has read it and w2's (our own
+    # cast) once dh is formed, before layer 1's gradients exist (FusedMLPFunction.backward
+    # says when that is safe).
     # 1. layer 2's weight (and bias) gradient from the recomputed post-activation h, which is
     #    freed before dh exists (cuda: the bias gradient fused into the weight-gradient GEMM)
     if backend == "triton":  # the forward epilogue's formulas on the same pre: h bit for bit
@@ -60,24 +65,28 @@ def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend, rel
     #    (never visible outside), so the act' pass needs no third hidden-sized buffer. cuda and
     #    Triton sum db1 in the same pass; torch sums dz.
     #    AMPKERNELS_TRITON_FUSED_DGRAD=1: Triton in one GEMM with act' and db1 in its epilogue.
-    fused = None
+    db1_in_dz_pass = backend in ("cuda", "triton") and b1_dtype is not None
+    fused = None  # (dz, db1) from the fused GEMM, or None where it cannot take the shape
     if backend == "triton" and activation != "identity" and os.environ.get("AMPKERNELS_TRITON_FUSED_DGRAD") == "1":
         from ..triton import linear_act as tk
         fused = tk.matmul_act_grad(dout, w2, pre, reference.activation_id(activation), b1_dtype is not None)
-    db1_in_dz_pass = backend in ("cuda", "triton") and b1_dtype is not None
     if fused is not None:
         dh, db1_32 = fused
+        del fused
     else:
         dh = dout.mm(w2)
         db1_32 = _act_backward_(dh, pre, activation, db1_in_dz_pass, backend)
     if release_pre:
         pre.untyped_storage().resize_(0)
+    if release_w2:
+        w2.untyped_storage().resize_(0)
     # 3. layer 1 with act' already applied: an identity linear_act backward on dz
-    dx, dw1, db1 = _la_bwd(dh, x, w1, None, "identity", True, True, b1_dtype is not None and not db1_in_dz_pass,
-                           backend)
+    dx, dw1, db1 = _la_bwd(dh, x, w1.to(x.dtype), None, "identity", True, True,
+                           b1_dtype is not None and not db1_in_dz_pass, backend)
+    del dh  # before dw1's cast to w1's dtype (fp32 under autocast)
     if db1_in_dz_pass:
-        db1 = db1_32.to(dh.dtype)
-    return dx, dw1, db1, dw2, db2
+        db1 = db1_32.to(x.dtype)
+    return dx, dw1.to(w1.dtype), db1, dw2, db2
 
 
 @torch.library.custom_op("ampkernels::fused_mlp_fwd", mutates_args=())
@@ -96,7 +105,8 @@ def _(x, w1, b1, w2, b2, activation, backend):
 def fused_mlp_bwd(dout: Tensor, x: Tensor, w1: Tensor, w2: Tensor, pre: Tensor, activation: str,
                   b1_dtype: Optional[torch.dtype], b2_dtype: Optional[torch.dtype],
                   backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dw1, db1, dw2, db2); a bias gradient is empty when its dtype is None."""
+    """(dx, dw1, db1, dw2, db2); dw1 in w1's dtype (w1 may be fp32: cast inside); a bias
+    gradient is empty when its dtype is None."""
     return _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend)
 
 
@@ -107,28 +117,36 @@ def _(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
             bias_grad(b2_dtype, w2.shape[0]))
 
 
-def _pre_dies_with_this_backward(pre):
-    """True when the saved pre-activation may be freed inside backward, as soon as it is used.
+def _dies_with_this_backward(saved):
+    """True when a saved tensor may be freed inside backward, as soon as it is used.
 
     Autograd frees a node's saved tensors after its backward unless the graph is kept
-    (retain_graph / create_graph): then a later backward reads pre again, and it stays. pre
-    must own its whole storage (forward made it; a saved-tensor hook may hand back something
-    else). Freeing it before layer 1's gradients are formed lowers the step's peak where weight
-    gradients are large against activations (T=8192, H=4096: pre is 256 MiB)."""
+    (retain_graph / create_graph): then a later backward reads them again, and they stay. The
+    tensor must own its whole storage (forward made it; a saved-tensor hook may hand back
+    something else). Freeing pre (and our cast of w2) before layer 1's gradients are formed
+    lowers the step's peak where weight gradients are large against activations (T=8192,
+    H=4096: pre is 256 MiB, w2's cast 128 MiB)."""
     keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return (keep_graph is not None and not keep_graph() and pre._base is None
-            and pre.untyped_storage().nbytes() == pre.numel() * pre.element_size())
+    return (keep_graph is not None and not keep_graph() and saved._base is None
+            and saved.untyped_storage().nbytes() == saved.numel() * saved.element_size())
 
 
 class FusedMLPFunction(torch.autograd.Function):
+    """dtype: the compute dtype the weights and biases are cast to (autocast's), or None when
+    they are in x's dtype already. w1 is saved as given: under autocast that is the fp32
+    parameter, which exists anyway, and backward casts it again once pre is freed, instead of
+    keeping a cast of it alive through the step's peak (T=8192, H=4096: 128 MiB for ~0.1 ms)."""
+
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, w1, b1, w2, b2, activation, backend):
-        op = _fwd_impl if _eager_call(x, w1, b1, w2, b2) else torch.ops.ampkernels.fused_mlp_fwd
-        out, pre = op(x, w1, b1, w2, b2, activation, backend)
-        ctx.save_for_backward(x, w1, w2, pre)
+    def forward(ctx, x, w1, b1, w2, b2, activation, backend, dtype=None):
+        w1c, b1c, w2c, b2c = (t if t is None or dtype is None else t.to(dtype) for t in (w1, b1, w2, b2))
+        op = _fwd_impl if _eager_call(x, w1c, b1c, w2c, b2c) else torch.ops.ampkernels.fused_mlp_fwd
+        out, pre = op(x, w1c, b1c, w2c, b2c, activation, backend)
+        ctx.save_for_backward(x, w1, w2c, pre)
         ctx.activation, ctx.backend = activation, backend
-        ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+        ctx.w2_is_own_cast = w2c is not w2
+        ctx.bias_dtypes = (None if b1 is None else b1c.dtype, None if b2 is None else b2c.dtype)
         return out
 
     @staticmethod
@@ -137,12 +155,14 @@ class FusedMLPFunction(torch.autograd.Function):
         x, w1, w2, pre = ctx.saved_tensors
         args = (dout.contiguous(), x, w1, w2, pre, ctx.activation, *ctx.bias_dtypes, ctx.backend)
         if _eager_call(dout, x, w1, w2, pre):
-            dx, dw1, db1, dw2, db2 = _bwd_impl(*args, release_pre=_pre_dies_with_this_backward(pre))
+            release = _dies_with_this_backward(pre)
+            dx, dw1, db1, dw2, db2 = _bwd_impl(*args, release_pre=release,
+                                               release_w2=release and ctx.w2_is_own_cast and _dies_with_this_backward(w2))
         else:
             dx, dw1, db1, dw2, db2 = torch.ops.ampkernels.fused_mlp_bwd(*args)
         none_if_empty = lambda g, dt: None if dt is None else g  # noqa: E731
         return (dx, dw1, none_if_empty(db1, ctx.bias_dtypes[0]), dw2, none_if_empty(db2, ctx.bias_dtypes[1]),
-                None, None)
+                None, None, None)
 
 
 def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
@@ -153,18 +173,22 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
     if x.shape[-1] != w1.shape[1] or w2.shape[1] != w1.shape[0]:
         raise ValueError(f"shapes do not chain: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} "
                          "(need x[..., K], w1 (H, K), w2 (N, H))")
+    params = (w1, b1, w2, b2)
+    cast_to = None  # under autocast the weights are cast inside FusedMLPFunction (it keeps no cast of w1)
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
-        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
-        b1, b2 = (None if b is None else b.to(dtype) for b in (b1, b2))
+        x = x.to(torch.get_autocast_dtype("cuda"))
+        if any(t is not None and t.dtype != x.dtype for t in params):
+            cast_to = x.dtype
     unsupported = None
     if x.dtype not in _DTYPES:
         unsupported = f"x dtype {x.dtype} is not float16/bfloat16"
-    elif any(t is not None and t.dtype != x.dtype for t in (w1, b1, w2, b2)):
+    elif cast_to is None and any(t is not None and t.dtype != x.dtype for t in params):
         unsupported = "weights and biases must share x's dtype"
+    elif cast_to is not None and not all(t is None or t.is_floating_point() for t in params):
+        unsupported = "weights and biases must be floating point"
     name = backends.select("fused_mlp", backend, x.device, ("cuda", "triton"), unsupported)
-    if name == "torch":  # the eager block, exactly what FusedMLP replaces
+    if name == "torch":  # the eager block, exactly what FusedMLP replaces (F.linear casts under autocast)
         return F.linear(reference.act_fwd(F.linear(x, w1, b1), activation), w2, b2)
     out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]).contiguous(), w1.contiguous(), b1, w2.contiguous(), b2,
-                                 activation, name)
+                                 activation, name, cast_to)
     return out.reshape(*x.shape[:-1], w2.shape[0])
