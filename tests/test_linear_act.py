@@ -125,6 +125,28 @@ def test_cpu_autocast_casts_like_f_linear():
     assert_rel_close(y, F.gelu(want.float()), torch.bfloat16)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("activation", ["gelu", "identity"])
+def test_fp32_master_weights_cast_inside_cpu(activation, recompute):
+    """fp32 weight and bias with a compute dtype (what linear_act passes under autocast): the
+    Function casts them and returns their gradients in fp32. Output, dx and dweight equal
+    those with the weights cast outside bit for bit (on CPU dweight is the bf16 GEMM result
+    cast); dbias is the fp32 sum itself, which rounds to the bf16 one."""
+    x, w, b = _inputs(12, 24, 16, torch.float32, "cpu")
+    xb = x.to(torch.bfloat16).requires_grad_()
+    w.requires_grad_()
+    b.requires_grad_()
+    dy = randn(12, 16, dtype=torch.bfloat16)
+    want = la.LinearActFunction.apply(xb, w.to(torch.bfloat16), b.to(torch.bfloat16), activation, "torch", recompute)
+    want_grads = torch.autograd.grad(want, (xb, w, b), dy)
+    out = la.LinearActFunction.apply(xb, w, b, activation, "torch", recompute, torch.bfloat16)
+    grads = torch.autograd.grad(out, (xb, w, b), dy)
+    assert torch.equal(out, want)
+    assert grads[1].dtype == grads[2].dtype == torch.float32
+    assert torch.equal(grads[0], want_grads[0]) and torch.equal(grads[1], want_grads[1])
+    assert torch.equal(grads[2].to(torch.bfloat16).float(), want_grads[2])
+
+
 # ---------------------------------------------------------------- CPU tier: Triton (interpreter)
 
 needs_triton = pytest.mark.skipif(not backends._available("triton")[0], reason="triton unavailable")
@@ -510,6 +532,9 @@ def _opcheck(backend, dtype, device):
     dy, pre = torch.randn(8, 16, dtype=dtype, device=device), randn(8, 16, dtype=dtype, device=device)
     torch.library.opcheck(bwd, (dy, x, w, pre, "gelu", True, True, True, backend))
     torch.library.opcheck(bwd, (dy, x, w, None, "identity", False, True, False, backend))
+    # master weights under autocast: dweight and dbias come back in fp32
+    torch.library.opcheck(bwd, (dy, x, w, pre, "gelu", True, True, True, backend, torch.float32))
+    torch.library.opcheck(bwd, (dy, x, w, None, "identity", True, True, True, backend, torch.float32))
 
 
 def test_opcheck_cpu_torch():
@@ -703,9 +728,12 @@ def test_gpu_empty_batch(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu_tanh", "identity"])
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-def test_gpu_autocast_fp32_params_and_grad_scaler(backend, dtype):
+def test_gpu_autocast_fp32_params_and_grad_scaler(backend, dtype, activation):
+    # fp32 master weights: dweight straight from the GEMM in fp32 (identity on every backend,
+    # Triton's act' path too), the cuda act' path casts cuBLASLt's result
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 512, device="cuda")
     x = torch.randn(64, 256, device="cuda")
@@ -714,8 +742,8 @@ def test_gpu_autocast_fp32_params_and_grad_scaler(backend, dtype):
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cuda")
     with torch.autocast("cuda", dtype=dtype):
-        y = ampkernels.linear_act(x, lin.weight, lin.bias, "gelu_tanh", backend=backend)
-        y_ref = F.gelu(ref_lin(x), approximate="tanh")
+        y = ampkernels.linear_act(x, lin.weight, lin.bias, activation, backend=backend)
+        y_ref = reference.act_fwd(ref_lin(x), activation)
     assert y.dtype == y_ref.dtype == dtype
     assert_rel_close(y, y_ref.double(), dtype, factor=2)
     scaler.scale(y.float().square().mean()).backward()

@@ -77,11 +77,29 @@ def _(x, weight, bias, activation, store_pre, backend):
 
 # ---------------------------------------------------------------- backward custom op
 
-def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend):
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch >= 2.8 on CUDA: fp16/bf16 GEMM writing fp32
+
+
+def _weight_grad(dz, inp, dtype):
+    """dz.T @ inp: in `dtype` straight from the GEMM where torch can write it (fp32 master
+    weights under autocast: the accumulator itself, no fp16/bf16 copy and no cast kernel, which
+    took ~0.2 ms for a 4096x16384 weight on the H200); else in dz's dtype, for the caller to
+    cast (fused_mlp: once dz is freed)."""
+    if dtype == torch.float32 and dz.dtype != dtype and dz.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(dz.t(), inp, out_dtype=dtype)
+    return dz.t().mm(inp)
+
+
+def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype=None):
     act = reference.activation_id(activation)
-    if backend == "cuda":
+    # identity with master weights takes the generic path below on every backend: dweight in
+    # fp32 from torch's GEMM saves more than cuBLASLt's fused bias gradient (a 20 us sum)
+    if backend == "cuda" and (grad_dtype is None or activation != "identity"):
         s = saved if saved is not None else dy.new_empty(0)
-        return torch.ops.ampkernels.linear_act_bwd_cuda(dy, x, weight, s, act, need_dx, need_dw, need_db, True)
+        dx, dw, db = torch.ops.ampkernels.linear_act_bwd_cuda(dy, x, weight, s, act, need_dx, need_dw, need_db, True)
+        if grad_dtype is not None:
+            dw, db = (dw.to(grad_dtype) if need_dw else dw), (db.to(grad_dtype) if need_db else db)
+        return dx, dw, db
     if backend == "triton" and activation != "identity":
         from ..triton import linear_act as tk
         dz, db32 = tk.linear_act_dz(dy, saved, act, need_db)
@@ -95,8 +113,8 @@ def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backe
     # no autocast guard needed: dz, weight and x share the compute dtype, which the functional
     # API made the autocast dtype, so autocast would not cast them
     dx = dz.mm(weight) if need_dx else empty
-    dw = dz.t().mm(x) if need_dw else empty.clone()
-    db = db32.to(dy.dtype) if need_db else empty.clone()
+    dw = _weight_grad(dz, x, grad_dtype or dy.dtype).to(grad_dtype or dy.dtype) if need_dw else empty.clone()
+    db = db32.to(grad_dtype or dy.dtype) if need_db else empty.clone()
     return dx, dw, db
 
 
@@ -118,19 +136,21 @@ def _act_backward_(dy, saved, activation, need_db, backend):
 
 @torch.library.custom_op("ampkernels::linear_act_bwd", mutates_args=())
 def linear_act_bwd(dy: Tensor, x: Tensor, weight: Tensor, saved: Optional[Tensor], activation: str, need_dx: bool,
-                   need_dw: bool, need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                   need_dw: bool, need_db: bool, backend: str,
+                   grad_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias), each an empty (0,) tensor when not needed.
 
-    saved: the pre-activation (or ReLU's output; None for identity). dbias accumulated in fp32,
-    returned in x's dtype."""
-    return _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend)
+    saved: the pre-activation (or ReLU's output; None for identity). dbias accumulated in fp32.
+    dweight and dbias in grad_dtype (the master weights' dtype under autocast), else x's."""
+    return _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype)
 
 
 @linear_act_bwd.register_fake
-def _(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend):
+def _(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype=None):
     m, k, n = x.shape[0], x.shape[1], weight.shape[0]
-    return (x.new_empty((m, k) if need_dx else (0,)), x.new_empty((n, k) if need_dw else (0,)),
-            x.new_empty((n,) if need_db else (0,)))
+    gd = grad_dtype or x.dtype
+    return (x.new_empty((m, k) if need_dx else (0,)), x.new_empty((n, k), dtype=gd) if need_dw else x.new_empty(0),
+            x.new_empty((n,), dtype=gd) if need_db else x.new_empty(0))
 
 
 # ---------------------------------------------------------------- eager fast path
@@ -153,26 +173,34 @@ def _fwd(x, weight, bias, activation, store_pre, backend):
     return torch.ops.ampkernels.linear_act_fwd(x, weight, bias, activation, store_pre, backend)
 
 
-def _bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend):
+def _bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype):
     if _eager_call(dy, x, weight, saved):
-        return _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend)
-    return torch.ops.ampkernels.linear_act_bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend)
+        return _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype)
+    return torch.ops.ampkernels.linear_act_bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend,
+                                               grad_dtype)
 
 
 # ---------------------------------------------------------------- autograd
 
 class LinearActFunction(torch.autograd.Function):
-    """Saves x, weight and one hidden-sized tensor (see the module docstring)."""
+    """Saves x, weight (in the compute dtype) and one hidden-sized tensor (see the module
+    docstring). cast_to: the compute dtype when weight and bias are fp32 master weights
+    (autocast); they are cast here, and their gradients come back in the weight's dtype."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, activation, backend, recompute):
+    def forward(ctx, x, weight, bias, activation, backend, recompute, cast_to=None):
+        grad_dtype = None
+        if cast_to is not None:
+            grad_dtype = weight.dtype
+            weight, bias = weight.to(cast_to), None if bias is None else bias.to(cast_to)
         saves_hidden = activation != "identity" and not recompute
         store_pre = saves_hidden and activation != "relu"
         y, pre = _fwd(x, weight, bias, activation, store_pre, backend)
         saved = (pre if store_pre else y) if saves_hidden else None
         ctx.save_for_backward(x, weight, bias if recompute else None, saved)
         ctx.activation, ctx.backend, ctx.recompute, ctx.has_bias = activation, backend, recompute, bias is not None
+        ctx.grad_dtype = grad_dtype
         return y
 
     @staticmethod
@@ -183,9 +211,9 @@ class LinearActFunction(torch.autograd.Function):
             saved, _ = _fwd(x, weight, bias, "identity", False, ctx.backend)
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dx, dw, db = _bwd(dy.contiguous(), x, weight, saved, ctx.activation, need_dx, need_dw,
-                          need_db and ctx.has_bias, ctx.backend)
+                          need_db and ctx.has_bias, ctx.backend, ctx.grad_dtype)
         return (dx if need_dx else None, dw if need_dw else None, db if need_db and ctx.has_bias else None,
-                None, None, None)
+                None, None, None, None)
 
 
 # ---------------------------------------------------------------- "auto"
@@ -300,11 +328,12 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
         reference.activation_id(activation)  # raises, naming the choices
     _check_args(x, weight, bias)
     device = x.device
+    cast_to = None  # autocast's dtype when the weights need F.linear's cast (fp32 master weights)
     if torch.is_autocast_enabled(device.type) and x.is_floating_point():
-        dt = torch.get_autocast_dtype(device.type)
-        x, weight = x.to(dt), weight.to(dt)
-        bias = None if bias is None else bias.to(dt)
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        x = x.to(torch.get_autocast_dtype(device.type))
+        if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+            cast_to = x.dtype
+    elif weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise TypeError(f"linear_act: x, weight and bias must share a dtype (as for F.linear), got x {x.dtype}, "
                         f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
     k, n = x.shape[-1], weight.shape[0]
@@ -316,12 +345,17 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     name = _choose(backend, device, x.dtype, activation, _shape_bucket(m, n, k), training, unsupported)
     x2, weight = x2.contiguous(), weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    if training and name == "torch" and not recompute:
-        # the unfused baseline as eager runs it, with torch's own autograd nodes (a C++ GELU
-        # backward, not a Python one): "auto" picks it only where it is the fastest
-        y = reference.act_fwd(F.linear(x2, weight, bias), activation)
-    elif training:
-        y = LinearActFunction.apply(x2, weight, bias, activation, name, recompute)
-    else:  # inference: nothing saved, no autograd node
-        y, _ = _fwd(x2, weight, bias, activation, False, name)
+    if training and (name != "torch" or recompute):
+        # the Function casts master weights itself, so that their gradients come back in their
+        # own dtype straight from the GEMM
+        y = LinearActFunction.apply(x2, weight, bias, activation, name, recompute, cast_to)
+    else:
+        if cast_to is not None:
+            weight, bias = weight.to(cast_to), None if bias is None else bias.to(cast_to)
+        if training:
+            # the unfused baseline as eager runs it, with torch's own autograd nodes (a C++ GELU
+            # backward, not a Python one): "auto" picks it only where it is the fastest
+            y = reference.act_fwd(F.linear(x2, weight, bias), activation)
+        else:  # inference: nothing saved, no autograd node
+            y, _ = _fwd(x2, weight, bias, activation, False, name)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .. import backends, reference
 from .bias_act import _fwd_impl as _bias_act_fwd
-from .linear_act import _act_backward_, _eager_call
+from .linear_act import _act_backward_, _eager_call, _weight_grad
 from .linear_act import _bwd_impl as _la_bwd
 from .linear_act import _fwd_impl as _la_fwd
 
@@ -43,19 +43,6 @@ def _fwd_impl(x, w1, b1, w2, b2, activation, backend):
     # first GEMM with bias + activation in its epilogue, also storing the pre-activation
     h, pre = _la_fwd(x, w1, b1, activation, True, backend)
     return F.linear(h, w2, b2), pre
-
-
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch >= 2.8 on CUDA: fp16/bf16 GEMM writing fp32
-
-
-def _weight_grad(dz, inp, dtype):
-    """dz.T @ inp: in `dtype` straight from the GEMM where torch can write it (fp32 master
-    weights under autocast: the accumulator itself, no fp16/bf16 copy and no cast kernel, ~0.1
-    ms for a 4096x16384 weight on the H200); else in dz's dtype, for the caller to cast once
-    dz is freed."""
-    if dtype == torch.float32 and dz.dtype != dtype and dz.is_cuda and _MM_OUT_DTYPE:
-        return torch.mm(dz.t(), inp, out_dtype=dtype)
-    return dz.t().mm(inp)
 
 
 def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend, release_pre=False, release_w2=False):
