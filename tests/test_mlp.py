@@ -78,6 +78,19 @@ def test_opcheck_cpu():
                           (bf(dout), bf(x), w1, bf(w2), bf(pre), "silu", torch.bfloat16, None, "torch"))
 
 
+def test_auto_follows_linear_act_table_without_torch(monkeypatch):
+    """"auto" for fused_mlp is linear_act's measured order for the first GEMM, minus the unfused
+    torch path (FusedMLP's point is its memory)."""
+    from ampkernels.ops import mlp
+    seen = []
+    monkeypatch.setattr(mlp, "_preference", lambda *a: seen.append(a) or ("torch", "triton", "cuda"))
+    dev = torch.device("cpu")
+    assert mlp.auto_preference(dev, torch.bfloat16, "gelu_tanh", "large", True) == ("triton", "cuda")
+    assert seen == [(dev, torch.bfloat16, "gelu_tanh", "large", True)]
+    monkeypatch.setattr(mlp, "_preference", lambda *a: ("torch",))
+    assert mlp.auto_preference(dev, torch.float16, "gelu", "small", False) == ("cuda", "triton")
+
+
 def test_functional_validates_shapes_and_falls_back():
     x, w1, b1, w2, b2 = _inputs(4, 16, 32, 8)
     with pytest.raises(ValueError, match="shapes do not chain"):
