@@ -49,7 +49,7 @@ def _probe_shape(say, rows, m, k, n, acts, programs):
         variants += [("coop", {"block_k": bk, "stages": st}) for bk, st in COOP_VARIANTS]
         # two epilogue warpgroups (linear_act_pingpong.py's docstring), last: an experiment
         variants += [("pingpong", {"block_k": pp.BLOCK_K, "stages": pp.STAGES, "group": pp.GROUP_M,
-                                   "epilogue_warpgroups": True})]
+                                   "epilogue_warpgroups": True, "epilogue_rows": rows}) for rows in (16, 8)]
         for kernel, params in variants:
             launch = pp.linear_act_fwd_pingpong if kernel == "pingpong" else coop.linear_act_fwd_coop
 

@@ -20,8 +20,8 @@ the turns also keep the consumers meeting the phases in the order one consumer w
 epilogue_warpgroups=True (an experiment, timed by scripts/pingpong_probe.py, not dispatched to):
 each consumer hands its rounded pre-activation to a warpgroup of its own over shared memory
 (c_ready / c_free barriers) and goes on to its next main loop; that warpgroup stores pre, applies
-the activation in 16-row slices and stores y. Why: at small K the consumer's own erf GELU
-epilogue is longer than the other consumer's main loop (4096x768x3072 bf16: 42.0 us against
+the activation in slices of epilogue_rows rows and stores y. Why: at small K the consumer's own
+erf GELU epilogue is longer than the other consumer's main loop (4096x768x3072 bf16: 42.0 us against
 35.0 for ReLU, benchmarks/results/h200-2026-12-01-9836fa4-pingpong-probe.log; under Nsight
 Compute the GELU kernel executes twice the instructions and stalls mostly in barrier waits,
 -c4ef83d-ncu-pingpong.txt), so the tensor cores wait; two epilogue warpgroups get two main
@@ -58,8 +58,10 @@ GROUP_M = 8
 # warpgroup keeps 24, consumer 1 takes 232 and consumer 0 what is left (248)
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 232, 24
 # with two epilogue warpgroups (5 warpgroups): 102 at launch (20 warps x 32 x 102 <= 64 K);
-# producer 24, epilogues 56 each (16 elements a thread a slice), consumer 1 184, consumer 0 the rest
-EPI_MAXNREG, EPI_CONSUMER_REGS, EPI_REGS = 102, 184, 56
+# producer 24, consumer 1 184, each epilogue warpgroup by its slice height (rows x 128 / 128
+# elements a thread at once: 16 rows take 56, 8 rows 40), consumer 0 the rest
+EPI_MAXNREG, EPI_CONSUMER_REGS, EPILOGUE_ROWS = 102, 184, 16
+_EPI_REGS = {8: 40, 16: 56}
 
 
 def available():
@@ -70,9 +72,9 @@ if gluon is not None:
     _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
     @gluon.jit
-    def _producer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                  M, N, K, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                  EPI_WG: gl.constexpr):
+    def _producer(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
+                  EPI_ROWS: gl.constexpr):
+        x_desc, w_desc, _, _, a_bufs, b_bufs, _, ready, empty, _, _, _, _, M, N, K = ops
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -109,9 +111,9 @@ if gluon is not None:
         return acc, count
 
     @gluon.jit
-    def _consumer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                  M, N, K, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                  EPI_WG: gl.constexpr, PARITY: gl.constexpr):
+    def _consumer(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
+                  EPI_ROWS: gl.constexpr, PARITY: gl.constexpr):
+        x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr, M, N, K = ops
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -148,7 +150,7 @@ if gluon is not None:
             offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             acc = acc + gl.load(b_ptr + offs_n, mask=(offs_n < N) & HAS_BIAS, other=0.0).to(gl.float32)[None, :]
             pre = acc.to(dtype)  # rounded as the unfused path (GEMM, then act) rounds it
-            if EPI_WG:
+            if EPI_ROWS:
                 # to this consumer's epilogue warpgroup, once it is done with the previous tile
                 mbarrier.wait(c_free.index(PARITY), (j & 1) ^ 1)  # the first wait finds it free
                 c_smem.store(pre)
@@ -174,16 +176,15 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _epilogue(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                  M, N, K, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                  EPI_WG: gl.constexpr, PARITY: gl.constexpr):
-        """Consumer PARITY's tiles after its main loop (EPI_WG): pre from c_smem to global
-        (STORE_PRE), act in place in 16-row slices, y to global, c_smem handed back."""
+    def _epilogue(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
+                  EPI_ROWS: gl.constexpr, PARITY: gl.constexpr):
+        """Consumer PARITY's tiles after its main loop (EPI_ROWS > 0): pre from c_smem to global
+        (STORE_PRE), act in place in EPI_ROWS-row slices, y to global, c_smem handed back."""
+        x_desc, w_desc, y_desc, pre_desc, _, _, c_bufs, _, _, _, c_ready, c_free, _, M, N, _ = ops
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BN: gl.constexpr = w_desc.block_type.shape[0]
         dtype: gl.constexpr = x_desc.dtype
-        ROWS: gl.constexpr = 16
-        # 8 contiguous elements (16 bytes) a thread, ROWS x BN a slice: ROWS * BN / 128 a thread
+        # 8 contiguous elements (16 bytes) a thread, EPI_ROWS x BN a slice: EPI_ROWS * BN / 128 a thread
         slice_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BN // 8), BN // 8], [4, 1], [1, 0])
         c_smem = c_bufs.index(PARITY)
         num_m = gl.cdiv(M, BM)
@@ -196,47 +197,39 @@ if gluon is not None:
             if STORE_PRE:
                 tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], c_smem)
                 tma.store_wait(0)
-            for r in gl.static_range(BM // ROWS):
-                part = c_smem.slice(r * ROWS, ROWS, dim=0)
+            for r in gl.static_range(BM // EPI_ROWS):
+                part = c_smem.slice(r * EPI_ROWS, EPI_ROWS, dim=0)
                 part.store(_act_fwd(part.load(slice_layout).to(gl.float32), ACT).to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(y_desc, [off_m, off_n], c_smem)  # rows/cols past M/N clipped
             tma.store_wait(0)
             mbarrier.arrive(c_free.index(PARITY), count=1)
-            j += 1
+            j += 1  # noqa: SIM113 -- a Gluon loop has no enumerate
 
     @gluon.jit
-    def _consumer0(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                   M, N, K, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                   EPI_WG: gl.constexpr):
-        _consumer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                  M, N, K, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_WG, 0)
+    def _consumer0(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
+                   EPI_ROWS: gl.constexpr):
+        _consumer(ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS, 0)
 
     @gluon.jit
-    def _consumer1(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                   M, N, K, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                   EPI_WG: gl.constexpr):
-        _consumer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                  M, N, K, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_WG, 1)
+    def _consumer1(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
+                   EPI_ROWS: gl.constexpr):
+        _consumer(ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS, 1)
 
     @gluon.jit
-    def _epilogue0(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                   M, N, K, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                   EPI_WG: gl.constexpr):
-        _epilogue(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                  M, N, K, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_WG, 0)
+    def _epilogue0(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
+                   EPI_ROWS: gl.constexpr):
+        _epilogue(ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS, 0)
 
     @gluon.jit
-    def _epilogue1(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                   M, N, K, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                   EPI_WG: gl.constexpr):
-        _epilogue(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                  M, N, K, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_WG, 1)
+    def _epilogue1(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
+                   EPI_ROWS: gl.constexpr):
+        _epilogue(ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS, 1)
 
     @gluon.jit
     def _linear_act_pingpong_kernel(x_desc, w_desc, y_desc, pre_desc, b_ptr, M, N, K,
                                     ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr,
-                                    GROUP: gl.constexpr, NSTAGE: gl.constexpr, EPI_WG: gl.constexpr,
+                                    GROUP: gl.constexpr, NSTAGE: gl.constexpr, EPI_ROWS: gl.constexpr,
                                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPI_REGS: gl.constexpr):
         dtype: gl.constexpr = x_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [NSTAGE] + x_desc.block_type.shape, x_desc.layout)
@@ -254,14 +247,23 @@ if gluon is not None:
             mbarrier.init(turn.index(i), count=1)
             mbarrier.init(c_ready.index(i), count=1)
             mbarrier.init(c_free.index(i), count=1)
-        args = (x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-                M, N, K, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_WG)
-        if EPI_WG:
-            gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args), (_epilogue0, args),
-                                (_epilogue1, args)], [4, 1, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, EPI_REGS, EPI_REGS])
+        # the runtime operands in one tuple, the constexprs beside it: a tuple bound to a name
+        # hands its constexprs to the partitions as runtime values (Triton 3.6 and 3.8), which
+        # static_range and static_assert refuse (the backend still folds them: the PTX is the same)
+        ops = (x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
+               M, N, K)
+        if EPI_ROWS:
+            gl.warp_specialize([(_consumer0, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
+                                (_consumer1, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
+                                (_producer, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
+                                (_epilogue0, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
+                                (_epilogue1, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS))],
+                               [4, 1, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, EPI_REGS, EPI_REGS])
         else:
-            gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, 1],
-                               [CONSUMER_REGS, PRODUCER_REGS])
+            gl.warp_specialize([(_consumer0, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
+                                (_consumer1, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
+                                (_producer, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS))],
+                               [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @functools.lru_cache(None)
     def _smem_layout(dtype, rows, cols):
@@ -269,13 +271,13 @@ if gluon is not None:
 
 
 def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs, block_k=BLOCK_K, stages=STAGES,
-                            group=GROUP_M, epilogue_warpgroups=False):
+                            group=GROUP_M, epilogue_warpgroups=False, epilogue_rows=EPILOGUE_ROWS):
     """y = act(x W^T + b) into y (and x W^T + b into pre when pre is not None); x (M, K), weight
     (N, K), y/pre (M, N), 16-bit, one dtype, TMA-ready (linear_act._tma_ok); M, N, K > 0.
     programs: SMs to use (one program each). block_k / stages / group: the K step, the operand
     ring's depth and the tile walk's band height; the library runs the defaults, and
-    scripts/pingpong_probe.py times other choices, and epilogue_warpgroups (see the module
-    docstring)."""
+    scripts/pingpong_probe.py times other choices, and epilogue_warpgroups with the slice height
+    epilogue_rows (8 or 16; see the module docstring)."""
     M, K = x.shape
     N = weight.shape[0]
 
@@ -284,10 +286,11 @@ def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs, block_k=B
 
     y_desc = desc(y, BLOCK_M, BLOCK_N)
     grid = (min(programs, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)),)
-    regs = (dict(CONSUMER_REGS=EPI_CONSUMER_REGS, EPI_REGS=EPI_REGS, maxnreg=EPI_MAXNREG) if epilogue_warpgroups
-            else dict(CONSUMER_REGS=CONSUMER_REGS, EPI_REGS=PRODUCER_REGS, maxnreg=MAXNREG))
+    regs = ({"EPI_ROWS": epilogue_rows, "CONSUMER_REGS": EPI_CONSUMER_REGS, "EPI_REGS": _EPI_REGS[epilogue_rows],
+             "maxnreg": EPI_MAXNREG} if epilogue_warpgroups
+            else {"EPI_ROWS": 0, "CONSUMER_REGS": CONSUMER_REGS, "EPI_REGS": PRODUCER_REGS, "maxnreg": MAXNREG})
     _linear_act_pingpong_kernel[grid](
         desc(x, BLOCK_M, block_k), desc(weight, BLOCK_N, block_k), y_desc,
         desc(pre, BLOCK_M, BLOCK_N) if pre is not None else y_desc, bias if bias is not None else x, M, N, K,
         ACT=act_id, HAS_BIAS=bias is not None, STORE_PRE=pre is not None, GROUP=group, NSTAGE=stages,
-        EPI_WG=epilogue_warpgroups, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, **regs)
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, **regs)
