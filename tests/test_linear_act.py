@@ -728,16 +728,19 @@ def test_gpu_empty_batch(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 256, 512), (7, 13, 7)])
 @pytest.mark.parametrize("activation", ["gelu_tanh", "identity"])
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-def test_gpu_autocast_fp32_params_and_grad_scaler(backend, dtype, activation):
+def test_gpu_autocast_fp32_params_and_grad_scaler(backend, dtype, activation, shape):
     # fp32 master weights: dweight straight from the GEMM in fp32 (identity on every backend,
-    # Triton's act' path too), the cuda act' path casts cuBLASLt's result
+    # Triton's act' path too), the cuda act' path casts cuBLASLt's result; K = 13 and N = 7
+    # leave rows 26 / 14 bytes long, unaligned for 16-byte vectors
+    m, k, n = shape
     torch.manual_seed(0)
-    lin = torch.nn.Linear(256, 512, device="cuda")
-    x = torch.randn(64, 256, device="cuda")
-    ref_lin = torch.nn.Linear(256, 512, device="cuda")
+    lin = torch.nn.Linear(k, n, device="cuda")
+    x = torch.randn(m, k, device="cuda")
+    ref_lin = torch.nn.Linear(k, n, device="cuda")
     ref_lin.load_state_dict(lin.state_dict())
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cuda")
