@@ -1,7 +1,7 @@
 """The Hopper ping-pong forward (ampkernels/triton/linear_act_pingpong.py) under other K steps,
 operand-ring depths and tile-walk band heights and with two epilogue warpgroups, and the
-cooperative 256 x 128 kernel (linear_act_coop.py), beside cuBLAS's plain matmul and the tuned TMA kernel, as CUDA-graph
-replays (GPU time only), inference (no pre stored), bf16.
+cooperative 256 x 128 kernel (linear_act_coop.py), beside cuBLAS's plain matmul and the tuned
+TMA kernel, as CUDA-graph replays (GPU time only), inference (no pre stored), bf16.
     python scripts/pingpong_probe.py [--out DIR] [--acts gelu silu relu]
 Each variant's output is checked against F.linear + the activation in fp32 before it is timed.
 All variants compile for sm_90 within the H200's 227 KB of shared memory (5 stages of 64: 224 KB).
