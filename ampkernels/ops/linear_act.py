@@ -110,11 +110,12 @@ def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backe
                                                                              torch.empty_like(dy))
         db32 = dz.sum(0, dtype=ct) if need_db else None
     empty = dy.new_empty(0)
+    grad_dtype = grad_dtype or dy.dtype
     # no autocast guard needed: dz, weight and x share the compute dtype, which the functional
     # API made the autocast dtype, so autocast would not cast them
     dx = dz.mm(weight) if need_dx else empty
-    dw = _weight_grad(dz, x, grad_dtype or dy.dtype).to(grad_dtype or dy.dtype) if need_dw else empty.clone()
-    db = db32.to(grad_dtype or dy.dtype) if need_db else empty.clone()
+    dw = _weight_grad(dz, x, grad_dtype).to(grad_dtype) if need_dw else empty.clone()
+    db = db32.to(grad_dtype) if need_db else empty.clone()
     return dx, dw, db
 
 
