@@ -58,6 +58,14 @@ def _divisible_by_16(value):
     return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
+def _max_threads(regs):
+    """The most threads a block of a kernel of `regs` registers a thread may launch with on sm_90
+    (the CUDA occupancy rules): registers are given out per warp in units of 256, warps per
+    block in units of 4, from 64 K registers."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return 65536 // per_warp // 4 * 4 * 32
+
+
 def _arg_type(value):
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[value.dtype]
@@ -115,8 +123,15 @@ class Checker:
             kernel = triton.compile(source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                     target=self.target, options=options)
             regs, spills = self.ptxas_usage(kernel)
+            threads = kernel.metadata.num_warps * 32  # every partition's warps (ttg.total-num-warps)
+            if regs is not None and threads > _max_threads(regs):
+                # what the GPU's launch refuses (OutOfResources "threads"): at 4872a41 a 20-warp
+                # kernel of 102 registers, whose block may hold 512 threads
+                raise OutOfResources(threads, _max_threads(regs), "threads")
             if self.verbose or spills:
-                print(f"ok   {what} (shared {kernel.metadata.shared} B, {regs} registers, {spills} B spilled)")
+                nreg = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])))
+                print(f"ok   {what} (shared {kernel.metadata.shared} B, {regs} registers, {spills} B spilled"
+                      + (f", setmaxnreg {' '.join(nreg)})" if nreg else ")"))
         except Exception as e:  # noqa: BLE001 -- every failure is reported, then the run goes on
             self.failures.append(what)
             print(f"FAIL {what}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")

@@ -31,6 +31,10 @@ os.environ.setdefault("AMPKERNELS_TRITON_AUTOTUNE", "0")
 ACTS = reference.ACTIVATIONS
 HAS_CUDA = torch.cuda.is_available()
 GRAD_FACTOR = 2
+# The Hopper kernels apply the activation to the pre-activation rounded to the compute dtype, as
+# the unfused path (GEMM, then act) does; squaring doubles that rounding's relative error. At
+# 2 x 24 x 8 (16 outputs, no averaging) bf16 squared_relu measured 8.6e-3 against 8e-3 (4872a41)
+HOPPER_Y_FACTOR = {"squared_relu": 2}
 
 
 def _inputs(m, k, n, dtype, device, bias=True, lead=()):
@@ -897,21 +901,22 @@ def test_gpu_triton_hopper_kernels(dtype):
             for store_pre in (True, False):
                 y, pre = tk.linear_act_fwd(x, w, b, act_id, store_pre, pingpong=pingpong)
                 what = f"{m}x{k}x{n} {activation} store_pre={store_pre} pingpong={pingpong}"
-                assert_rel_close(y, want_y, dtype, what=f"y {what}")
+                assert_rel_close(y, want_y, dtype, HOPPER_Y_FACTOR.get(activation, 1), what=f"y {what}")
                 if store_pre:
                     assert_rel_close(pre, want_pre, dtype, what=f"pre {what}")
             y, _ = tk.linear_act_fwd(x, w, None, act_id, False, pingpong=pingpong)
             want = reference.linear_act(x.double(), w.double(), None, activation)
-            assert_rel_close(y, want, dtype, what=f"y {m}x{k}x{n} {activation} no bias pingpong={pingpong}")
+            assert_rel_close(y, want, dtype, HOPPER_Y_FACTOR.get(activation, 1),
+                             what=f"y {m}x{k}x{n} {activation} no bias pingpong={pingpong}")
     assert tk._PINGPONG_STATE["broken"] is None and tk._TMA_STATE["broken"] is None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["coop", "epilogue_warpgroups"])
+@pytest.mark.parametrize("kernel", ["coop", "epilogue_warpgroups16", "epilogue_warpgroups8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_triton_gluon_experiments(dtype, kernel):
     # the Gluon experiments, not dispatched to: the cooperative 256 x 128 kernel and the ping-pong
-    # kernel with two epilogue warpgroups; every activation, bias or not, pre stored or not.
+    # kernel with two epilogue warpgroups (slices of 16 or 8 rows); every activation, bias or not, pre stored or not.
     # 5000 x 1000 with K = 776 is 160 (coop) / 320 tiles, several per program; coop: the last
     # tile row has 136 rows, so its second half is 8 rows and TMA clips the rest; 2 x 24 x 8 is
     # one tile (coop: its second half lies wholly past M; ping-pong: consumer 1 and its
@@ -924,7 +929,8 @@ def test_gpu_triton_gluon_experiments(dtype, kernel):
     if not tk.pingpong_enabled(torch.device("cuda")):
         pytest.skip("the Gluon kernels need Hopper (sm_90) and Triton's Gluon")
     launch = (coop.linear_act_fwd_coop if kernel == "coop"
-              else functools.partial(pp.linear_act_fwd_pingpong, epilogue_warpgroups=True))
+              else functools.partial(pp.linear_act_fwd_pingpong, epilogue_warpgroups=True,
+                                     epilogue_rows=int(kernel.removeprefix("epilogue_warpgroups"))))
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     for m, k, n in ((5000, 776, 1000), (2, 24, 8)):
         x, w, b = _inputs(m, k, n, dtype, "cuda")
@@ -937,7 +943,7 @@ def test_gpu_triton_gluon_experiments(dtype, kernel):
                 y, pre = torch.full((2, m, n), float("nan"), dtype=dtype, device="cuda")
                 launch(x, w, bias, act_id, y, pre if bias is not None else None, programs)
                 what = f"{m}x{k}x{n} {activation} bias={bias is not None}"
-                assert_rel_close(y, want, dtype, what=f"y {what}")
+                assert_rel_close(y, want, dtype, HOPPER_Y_FACTOR.get(activation, 1), what=f"y {what}")
                 if bias is not None:
                     assert_rel_close(pre, want_pre, dtype, what=f"pre {what}")
 

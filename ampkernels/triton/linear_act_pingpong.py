@@ -57,10 +57,12 @@ GROUP_M = 8
 # registers a thread: 168 at launch (12 warps x 32 x 168 <= 64 K); after setmaxnreg the producer's
 # warpgroup keeps 24, consumer 1 takes 232 and consumer 0 what is left (248)
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 232, 24
-# with two epilogue warpgroups (5 warpgroups): 102 at launch (20 warps x 32 x 102 <= 64 K);
-# producer 24, consumer 1 184, each epilogue warpgroup by its slice height (rows x 128 / 128
-# elements a thread at once: 16 rows take 56, 8 rows 40), consumer 0 the rest
-EPI_MAXNREG, EPI_CONSUMER_REGS, EPILOGUE_ROWS = 102, 184, 16
+# with two epilogue warpgroups (5 warpgroups): 96 at launch (registers go out per warp in units of
+# 256 and warps in fours: 102 let a block hold 16 warps, and the H200 refused the launch);
+# producer 24, consumer 1 176, each epilogue warpgroup by its slice height (rows x 128 / 128
+# elements a thread at once: 16 rows take 56, 8 rows 40), consumer 0 the rest of 20 x 32 x 96
+# (168 or 200; with consumer 1 at 184 consumer 0's 160 spilled 88 B at 16 rows)
+EPI_MAXNREG, EPI_CONSUMER_REGS, EPILOGUE_ROWS = 96, 176, 16
 _EPI_REGS = {8: 40, 16: 56}
 
 
