@@ -8,21 +8,18 @@ nn.FusedMLP (one hidden-sized tensor saved), the latter also on the Triton backe
 without AMPKERNELS_TRITON_FUSED_DGRAD=1 (bf16); both norms emit the autocast dtype
 (out_dtype="autocast"), since their output only feeds the first matmul. Rows: ms per step, peak extra memory (MiB
 above the inputs and weights, measured over one untimed step), the memory the forward leaves for backward
-(held_after_fwd_MiB, incl. the fp32 y), tokens/s. Since 0998f14+ the providers' steps are timed
-in 5 interleaved rounds (ms: the median of the rounds' medians; p20/p80 across rounds); earlier
-rows timed each provider once, one after the other.
+(held_after_fwd_MiB, incl. the fp32 y), tokens/s.
 
 Rows without held_after_fwd_MiB (before 2026-11-30 session 3) measured the peak across do_bench, whose 256 MiB L2-flush buffer
 (triton's get_empty_cache_for_benchmark) counted as "peak": subtract 256 from their peak_extra_MiB.
 """
-import contextlib
 import copy
 import os
 from unittest import mock
 
 import torch
 
-from .common import bench_rounds, cuda_step_peak, guard, progress, standalone_main
+from .common import bench, cuda_step_peak, guard, progress, standalone_main
 
 SHAPES = [(16384, 1024), (8192, 4096)]
 
@@ -65,60 +62,48 @@ def fused_block_state_dict(sd):
 
 
 def run(recorder, dtypes, quick, shapes=None):
-    """shapes: (tokens, hidden) pairs, default SHAPES (the first alone with quick). Each
-    provider's memory is measured alone; their steps are then timed in interleaved rounds
-    (common.bench_rounds), since at H=4096 the GPU's clocks drift over a run."""
+    """shapes: (tokens, hidden) pairs, default SHAPES (the first alone with quick)."""
     shapes = shapes or (SHAPES[:1] if quick else SHAPES)
     for tokens, hidden in shapes:
         providers, eager = _providers(hidden)
         chosen = [p for p in providers if p[2] is None or p[2] in dtypes or "fp32" in p[0]]
-        steps, rows = {}, {}
         for name, block, dtype in progress(chosen, f"mlp_block T={tokens} H={hidden}", lambda p: p[0]):
-            prepared = guard(recorder, f"mlp_block {name} T={tokens} H={hidden}", _prepare, name, block, eager, dtype,
-                             tokens, hidden)
-            if prepared:
-                steps[name], rows[name] = prepared
-        times, errors = bench_rounds(steps, rounds=2 if quick else 5, rep=50 if quick else 100)
-        for name, e in errors.items():
-            recorder.add(op=f"mlp_block {name} T={tokens} H={hidden}", provider="error", metric="error",
-                         value=f"{type(e).__name__}: {str(e)[:300]}")
-        for name, (ms, p20, p80) in times.items():
-            recorder.add(**rows[name], metric="ms", value=round(ms, 4), ms=ms, ms_p20=p20, ms_p80=p80,
-                         tokens_per_s=round(tokens / ms * 1e3))
-        del steps
-        torch.cuda.empty_cache()
+            guard(recorder, f"mlp_block {name} T={tokens} H={hidden}", _step_time, recorder, name, block, eager,
+                  dtype, tokens, hidden, quick)
+            torch.cuda.empty_cache()
 
 
-def _prepare(name, block, eager, dtype, tokens, hidden):
-    """One provider: (its training step of y = x + block(x), its row without the timing), the
-    row holding the step's peak extra memory and what the forward leaves for backward."""
+def _step_time(recorder, name, block, eager, dtype, tokens, hidden, quick):
+    """One provider: ms per training step of y = x + block(x) and its peak extra memory."""
     if block == "compile":
         torch._dynamo.reset()
-        block = torch.compile(copy.deepcopy(eager))
+        f = torch.compile(copy.deepcopy(eager))
+    else:
+        f = block
     x = torch.randn(tokens, hidden, device="cuda", requires_grad=True)
-    env = _PROVIDER_ENV.get(name)
+    with mock.patch.dict(os.environ, _PROVIDER_ENV.get(name, {})):  # restored afterwards
+        _measure_step(recorder, name, f, x, dtype, tokens, hidden, quick)
 
-    def in_env():  # the provider's environment variables, restored afterwards
-        return mock.patch.dict(os.environ, env) if env else contextlib.nullcontext()
 
+def _measure_step(recorder, name, f, x, dtype, tokens, hidden, quick):
     def step():
-        with in_env():
-            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-                y = x + block(x)
-            y.float().square().mean().backward()
+        with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+            y = x + f(x)
+        y.float().square().mean().backward()
 
     peak = cuda_step_peak(step, warmup=3) / 2**20
     base = torch.cuda.memory_allocated()
-    with in_env():
-        with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-            y = x + block(x)
-        held = (torch.cuda.memory_allocated() - base) / 2**20  # saved for backward, + y itself
-        y.float().square().mean().backward()
+    with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+        y = x + f(x)
+    held = (torch.cuda.memory_allocated() - base) / 2**20  # saved for backward, + y itself
+    y.float().square().mean().backward()
     del y
-    return step, dict(op="mlp_block", provider=name, **{"pass": "train_step"},
-                      dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
-                      shape=f"T={tokens},H={hidden}", T=tokens, H=hidden, peak_extra_MiB=round(peak, 1),
-                      held_after_fwd_MiB=round(held, 1))
+    ms, p20, p80 = bench(step, rep=200 if not quick else 50)
+    recorder.add(op="mlp_block", provider=name, **{"pass": "train_step"},
+                 dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
+                 shape=f"T={tokens},H={hidden}", T=tokens, H=hidden, metric="ms", value=round(ms, 4),
+                 ms=ms, ms_p20=p20, ms_p80=p80, peak_extra_MiB=round(peak, 1), held_after_fwd_MiB=round(held, 1),
+                 tokens_per_s=round(tokens / ms * 1e3))
 
 
 def report(rows):

@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import pstats
-import statistics
 import subprocess
 import sys
 import time
@@ -127,31 +126,6 @@ def bench(fn, *, warmup=25, rep=100, grad_to_none=None):
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[2], times[1], times[3]
-
-
-def bench_rounds(fns, rounds=5, rep=100):
-    """{name: (median, p20, p80) ms} of each fn in fns ({name: fn}), timed by bench() once per
-    round with the fns taken in turn, so that a drift of the GPU's clocks (power, heat) falls on
-    all of them alike instead of on whichever ran last: in 4872a41's profile of the MLP block the
-    same cuBLAS GEMMs ran 4-7% slower in the last variant timed than in the first. The median
-    and the 20/80 quantiles are taken over the rounds' medians. A fn that raises is left out of
-    the result and its error kept under errors[name]."""
-    medians, errors = {name: [] for name in fns}, {}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            if name in errors:
-                continue
-            try:
-                medians[name].append(bench(fn, rep=rep)[0])
-            except Exception as e:  # noqa: BLE001 -- one provider failing must not end the others' timing
-                errors[name] = e
-    result = {}
-    for name, ms in medians.items():
-        if name in errors:
-            continue
-        q = statistics.quantiles(ms, n=5, method="inclusive") if len(ms) > 1 else [ms[0]] * 4
-        result[name] = (statistics.median(ms), q[0], q[3])
-    return result, errors
 
 
 # results.csv: these columns first (fixed, so rows of every op and every run line up), then

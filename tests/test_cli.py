@@ -143,26 +143,6 @@ def _norm_bench(monkeypatch):
     return bln
 
 
-def test_bench_rounds_interleaves_and_drops_a_failing_fn():
-    # the fns are timed in turn, round after round (a clock drift falls on all alike); one that
-    # raises is left out with its error while the others' timing goes on
-    from benchmarks.common import bench_rounds
-    calls = []
-
-    def fn(name):
-        return lambda: calls.append(name)
-
-    def broken():
-        calls.append("broken")
-        raise RuntimeError("no kernel")
-
-    times, errors = bench_rounds({"a": fn("a"), "broken": broken, "b": fn("b")}, rounds=3, rep=1)
-    assert set(times) == {"a", "b"} and list(errors) == ["broken"] and "no kernel" in str(errors["broken"])
-    assert all(p20 <= ms <= p80 for ms, p20, p80 in times.values())
-    runs = [name for i, name in enumerate(calls) if i == 0 or calls[i - 1] != name]  # consecutive calls merged
-    assert runs == ["a", "broken", "b", "a", "b", "a", "b"]
-
-
 def test_no_public_provider_installed(monkeypatch):
     from benchmarks import providers
     _only(monkeypatch)
