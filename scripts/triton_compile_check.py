@@ -129,7 +129,7 @@ class Checker:
                 # kernel of 102 registers, whose block may hold 512 threads
                 raise OutOfResources(threads, _max_threads(regs), "threads")
             if self.verbose or spills:
-                nreg = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])))
+                nreg = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])), key=int)
                 print(f"ok   {what} (shared {kernel.metadata.shared} B, {regs} registers, {spills} B spilled"
                       + (f", setmaxnreg {' '.join(nreg)})" if nreg else ")"))
         except Exception as e:  # noqa: BLE001 -- every failure is reported, then the run goes on
