@@ -73,32 +73,41 @@ def run(recorder, dtypes, quick, shapes=None):
             torch.cuda.empty_cache()
 
 
-def _step_time(recorder, name, block, eager, dtype, tokens, hidden, quick):
-    """One provider: ms per training step of y = x + block(x) and its peak extra memory."""
+def make_step(block, eager, dtype, tokens, hidden):
+    """(forward, step) of one provider on a fresh fp32 x (tokens, hidden) that requires grad:
+    forward() returns y = x + block(x) under autocast to dtype (None: fp32, autocast off), step()
+    is forward and backward of mean(y^2). block "compile": torch.compile of a copy of eager."""
     if block == "compile":
         torch._dynamo.reset()
-        f = torch.compile(copy.deepcopy(eager))
-    else:
-        f = block
+        block = torch.compile(copy.deepcopy(eager))
     x = torch.randn(tokens, hidden, device="cuda", requires_grad=True)
-    with mock.patch.dict(os.environ, _PROVIDER_ENV.get(name, {})):  # restored afterwards
-        _measure_step(recorder, name, f, x, dtype, tokens, hidden, quick)
 
-
-def _measure_step(recorder, name, f, x, dtype, tokens, hidden, quick):
-    def step():
+    def forward():
         with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-            y = x + f(x)
-        y.float().square().mean().backward()
+            return x + block(x)
 
-    peak = cuda_step_peak(step, warmup=3) / 2**20
-    base = torch.cuda.memory_allocated()
-    with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
-        y = x + f(x)
-    held = (torch.cuda.memory_allocated() - base) / 2**20  # saved for backward, + y itself
-    y.float().square().mean().backward()
-    del y
-    ms, p20, p80 = bench(step, rep=200 if not quick else 50)
+    def step():
+        forward().float().square().mean().backward()
+
+    return forward, step
+
+
+def provider_env(name):
+    """The environment variables a provider is measured under, restored afterwards."""
+    return mock.patch.dict(os.environ, _PROVIDER_ENV.get(name, {}))
+
+
+def _step_time(recorder, name, block, eager, dtype, tokens, hidden, quick):
+    """One provider: ms per training step of y = x + block(x) and its peak extra memory."""
+    forward, step = make_step(block, eager, dtype, tokens, hidden)
+    with provider_env(name):
+        peak = cuda_step_peak(step, warmup=3) / 2**20
+        base = torch.cuda.memory_allocated()
+        y = forward()
+        held = (torch.cuda.memory_allocated() - base) / 2**20  # saved for backward, + y itself
+        y.float().square().mean().backward()
+        del y
+        ms, p20, p80 = bench(step, rep=200 if not quick else 50)
     recorder.add(op="mlp_block", provider=name, **{"pass": "train_step"},
                  dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
                  shape=f"T={tokens},H={hidden}", T=tokens, H=hidden, metric="ms", value=round(ms, 4),
