@@ -1,7 +1,7 @@
 """The Hopper ping-pong forward (ampkernels/triton/linear_act_pingpong.py) under other K steps,
-operand-ring depths and tile-walk band heights and with two epilogue warpgroups, and the
-cooperative 256 x 128 kernel (linear_act_coop.py), beside cuBLAS's plain matmul and the tuned
-TMA kernel, as CUDA-graph replays (GPU time only), inference (no pre stored), bf16.
+operand-ring depths and tile-walk band heights, and the cooperative 256 x 128 kernel
+(linear_act_coop.py), beside cuBLAS's plain matmul and the tuned TMA kernel, as CUDA-graph
+replays (GPU time only), inference (no pre stored), bf16.
     python scripts/pingpong_probe.py [--out DIR] [--acts gelu silu relu]
 Each variant's output is checked against F.linear + the activation in fp32 before it is timed.
 All variants compile for sm_90 within the H200's 227 KB of shared memory (5 stages of 64: 224 KB).
@@ -47,9 +47,6 @@ def _probe_shape(say, rows, m, k, n, acts, programs):
         say(f"{m}x{k}x{n} {act:5s} TMA kernel (tuned) {tma:7.1f} us  ratio {mm / tma:.3f}")
         variants = [("pingpong", {"block_k": bk, "stages": st, "group": g}) for bk, st, g in VARIANTS]
         variants += [("coop", {"block_k": bk, "stages": st}) for bk, st in COOP_VARIANTS]
-        # two epilogue warpgroups (linear_act_pingpong.py's docstring), last: an experiment
-        variants += [("pingpong", {"block_k": pp.BLOCK_K, "stages": pp.STAGES, "group": pp.GROUP_M,
-                                   "epilogue_warpgroups": True, "epilogue_rows": rows}) for rows in (16, 8)]
         for kernel, params in variants:
             launch = pp.linear_act_fwd_pingpong if kernel == "pingpong" else coop.linear_act_fwd_coop
 

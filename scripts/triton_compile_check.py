@@ -206,11 +206,6 @@ def launch_everything(max_shared):
             for act_id in range(len(ACTIVATIONS)):
                 tla.linear_act_fwd(x, w, bias, act_id, True, tma=True, pingpong=True)
             tla.linear_act_fwd(x, w, None, gelu, False, tma=True, pingpong=True)
-            # with two epilogue warpgroups (an experiment the ping-pong probe times): each slice height,
-            # with and without pre
-            tla._pingpong.linear_act_fwd_pingpong(x, w, bias, gelu, y, y, 132, epilogue_warpgroups=True)
-            tla._pingpong.linear_act_fwd_pingpong(x, w, None, gelu, y, None, 132, epilogue_warpgroups=True,
-                                                  epilogue_rows=8)
             # the cooperative kernel (an experiment, not dispatched to): the heaviest epilogue and the lightest
             coop.linear_act_fwd_coop(x, w, bias, gelu, y, y, 132)
             coop.linear_act_fwd_coop(x, w, None, ACTIVATIONS.index("relu"), y, None, 132)

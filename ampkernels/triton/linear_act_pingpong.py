@@ -17,15 +17,10 @@ registers a thread after setmaxnreg, the producer gives its warpgroup's back).
 The ring's ready/empty barriers are waited on by parity, which cannot tell phase n from n + 2;
 the turns also keep the consumers meeting the phases in the order one consumer would.
 
-epilogue_warpgroups=True (an experiment, timed by scripts/pingpong_probe.py, not dispatched to):
-each consumer hands its rounded pre-activation to a warpgroup of its own over shared memory
-(c_ready / c_free barriers) and goes on to its next main loop; that warpgroup stores pre, applies
-the activation in slices of epilogue_rows rows and stores y. Why: at small K the consumer's own
-erf GELU epilogue is longer than the other consumer's main loop (4096x768x3072 bf16: 42.0 us against
-35.0 for ReLU, benchmarks/results/h200-2026-12-01-9836fa4-pingpong-probe.log; under Nsight
-Compute the GELU kernel executes twice the instructions and stalls mostly in barrier waits,
--c4ef83d-ncu-pingpong.txt), so the tensor cores wait; two epilogue warpgroups get two main
-loops' time per tile.
+Tried and removed (0998f14 has it): two more warpgroups taking the epilogue off the consumers
+(each consumer handed its tile over shared memory and started its next main loop): 1-4% faster
+for erf GELU and SiLU at 4096x768x3072 and 8192x1024x4096, 1-10% slower at the larger shapes
+(benchmarks/results/h200-2026-12-01-0998f14-pingpong-probe.log).
 
 Same contract as _linear_act_fwd_tma_kernel: y = act(x W^T + b) with the pre-activation rounded
 to y's dtype first (stored to pre when STORE_PRE), fp32 accumulation, the activation formulas and
@@ -57,13 +52,6 @@ GROUP_M = 8
 # registers a thread: 168 at launch (12 warps x 32 x 168 <= 64 K); after setmaxnreg the producer's
 # warpgroup keeps 24, consumer 1 takes 232 and consumer 0 what is left (248)
 MAXNREG, CONSUMER_REGS, PRODUCER_REGS = 168, 232, 24
-# with two epilogue warpgroups (5 warpgroups): 96 at launch (registers go out per warp in units of
-# 256 and warps in fours: 102 let a block hold 16 warps, and the H200 refused the launch);
-# producer 24, consumer 1 176, each epilogue warpgroup by its slice height (rows x 128 / 128
-# elements a thread at once: 16 rows take 56, 8 rows 40), consumer 0 the rest of 20 x 32 x 96
-# (168 or 200; with consumer 1 at 184 consumer 0's 160 spilled 88 B at 16 rows)
-EPI_MAXNREG, EPI_CONSUMER_REGS, EPILOGUE_ROWS = 96, 176, 16
-_EPI_REGS = {8: 40, 16: 56}
 
 
 def available():
@@ -74,9 +62,8 @@ if gluon is not None:
     _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
     @gluon.jit
-    def _producer(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                  EPI_ROWS: gl.constexpr):
-        x_desc, w_desc, _, _, a_bufs, b_bufs, _, ready, empty, _, _, _, _, M, N, K = ops
+    def _producer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, b_ptr, M, N, K,
+                  ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -113,9 +100,9 @@ if gluon is not None:
         return acc, count
 
     @gluon.jit
-    def _consumer(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                  EPI_ROWS: gl.constexpr, PARITY: gl.constexpr):
-        x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr, M, N, K = ops
+    def _consumer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, b_ptr, M, N, K,
+                  ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
+                  PARITY: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -152,87 +139,41 @@ if gluon is not None:
             offs_n = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
             acc = acc + gl.load(b_ptr + offs_n, mask=(offs_n < N) & HAS_BIAS, other=0.0).to(gl.float32)[None, :]
             pre = acc.to(dtype)  # rounded as the unfused path (GEMM, then act) rounds it
-            if EPI_ROWS:
-                # to this consumer's epilogue warpgroup, once it is done with the previous tile
-                mbarrier.wait(c_free.index(PARITY), (j & 1) ^ 1)  # the first wait finds it free
+            tma.store_wait(0)  # this consumer's previous tile has left c_smem
+            if STORE_PRE:
+                # pre leaves from shared memory, then the activation reads it back in column
+                # halves and writes in place: acc, pre and the erf GELU's temporaries at once
+                # spill (ptxas: 800 bytes)
                 c_smem.store(pre)
                 fence_async_shared()
-                mbarrier.arrive(c_ready.index(PARITY), count=1)
+                tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], c_smem)
+                tma.store_wait(0)
+                for h in gl.static_range(2):
+                    half = c_smem.slice(h * (BN // 2), BN // 2, dim=1)
+                    half.store(_act_fwd(half.load(half_layout).to(gl.float32), ACT).to(dtype))
             else:
-                tma.store_wait(0)  # this consumer's previous tile has left c_smem
-                if STORE_PRE:
-                    # pre leaves from shared memory, then the activation reads it back in column
-                    # halves and writes in place: acc, pre and the erf GELU's temporaries at once
-                    # spill (ptxas: 800 bytes)
-                    c_smem.store(pre)
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], c_smem)
-                    tma.store_wait(0)
-                    for h in gl.static_range(2):
-                        half = c_smem.slice(h * (BN // 2), BN // 2, dim=1)
-                        half.store(_act_fwd(half.load(half_layout).to(gl.float32), ACT).to(dtype))
-                else:
-                    c_smem.store(_act_fwd(pre.to(gl.float32), ACT).to(dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(y_desc, [off_m, off_n], c_smem)  # rows/cols past M/N clipped
+                c_smem.store(_act_fwd(pre.to(gl.float32), ACT).to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(y_desc, [off_m, off_n], c_smem)  # rows/cols past M/N clipped
         tma.store_wait(0)
 
     @gluon.jit
-    def _epilogue(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                  EPI_ROWS: gl.constexpr, PARITY: gl.constexpr):
-        """Consumer PARITY's tiles after its main loop (EPI_ROWS > 0): pre from c_smem to global
-        (STORE_PRE), act in place in EPI_ROWS-row slices, y to global, c_smem handed back."""
-        x_desc, w_desc, y_desc, pre_desc, _, _, c_bufs, _, _, _, c_ready, c_free, _, M, N, _ = ops
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BN: gl.constexpr = w_desc.block_type.shape[0]
-        dtype: gl.constexpr = x_desc.dtype
-        # 8 contiguous elements (16 bytes) a thread, EPI_ROWS x BN a slice: EPI_ROWS * BN / 128 a thread
-        slice_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BN // 8), BN // 8], [4, 1], [1, 0])
-        c_smem = c_bufs.index(PARITY)
-        num_m = gl.cdiv(M, BM)
-        num_n = gl.cdiv(N, BN)
-        programs = gl.num_programs(0)
-        j = 0
-        for tile in range(gl.program_id(0) + PARITY * programs, num_m * num_n, 2 * programs):
-            off_m, off_n = _tile_origin(tile, num_m, num_n, GROUP, BM, BN)
-            mbarrier.wait(c_ready.index(PARITY), j & 1)
-            if STORE_PRE:
-                tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], c_smem)
-                tma.store_wait(0)
-            for r in gl.static_range(BM // EPI_ROWS):
-                part = c_smem.slice(r * EPI_ROWS, EPI_ROWS, dim=0)
-                part.store(_act_fwd(part.load(slice_layout).to(gl.float32), ACT).to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(y_desc, [off_m, off_n], c_smem)  # rows/cols past M/N clipped
-            tma.store_wait(0)
-            mbarrier.arrive(c_free.index(PARITY), count=1)
-            j += 1  # noqa: SIM113 -- a Gluon loop has no enumerate
+    def _consumer0(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, b_ptr, M, N, K,
+                   ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr):
+        _consumer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, b_ptr, M, N, K,
+                  ACT, HAS_BIAS, STORE_PRE, GROUP, 0)
 
     @gluon.jit
-    def _consumer0(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                   EPI_ROWS: gl.constexpr):
-        _consumer(ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS, 0)
-
-    @gluon.jit
-    def _consumer1(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                   EPI_ROWS: gl.constexpr):
-        _consumer(ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS, 1)
-
-    @gluon.jit
-    def _epilogue0(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                   EPI_ROWS: gl.constexpr):
-        _epilogue(ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS, 0)
-
-    @gluon.jit
-    def _epilogue1(ops, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr,
-                   EPI_ROWS: gl.constexpr):
-        _epilogue(ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS, 1)
+    def _consumer1(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, b_ptr, M, N, K,
+                   ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr, GROUP: gl.constexpr):
+        _consumer(x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, b_ptr, M, N, K,
+                  ACT, HAS_BIAS, STORE_PRE, GROUP, 1)
 
     @gluon.jit
     def _linear_act_pingpong_kernel(x_desc, w_desc, y_desc, pre_desc, b_ptr, M, N, K,
                                     ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STORE_PRE: gl.constexpr,
-                                    GROUP: gl.constexpr, NSTAGE: gl.constexpr, EPI_ROWS: gl.constexpr,
-                                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPI_REGS: gl.constexpr):
+                                    GROUP: gl.constexpr, NSTAGE: gl.constexpr,
+                                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         dtype: gl.constexpr = x_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [NSTAGE] + x_desc.block_type.shape, x_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [NSTAGE] + w_desc.block_type.shape, w_desc.layout)
@@ -240,33 +181,15 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        c_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        c_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NSTAGE):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-            mbarrier.init(c_ready.index(i), count=1)
-            mbarrier.init(c_free.index(i), count=1)
-        # the runtime operands in one tuple, the constexprs beside it: a tuple bound to a name
-        # hands its constexprs to the partitions as runtime values (Triton 3.6 and 3.8), which
-        # static_range and static_assert refuse (the backend folded them: the erf GELU kernel's PTX
-        # kept the same instructions, its no-bias mask aside)
-        ops = (x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_free, b_ptr,
-               M, N, K)
-        if EPI_ROWS:
-            gl.warp_specialize([(_consumer0, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
-                                (_consumer1, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
-                                (_producer, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
-                                (_epilogue0, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
-                                (_epilogue1, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS))],
-                               [4, 1, 4, 4], [CONSUMER_REGS, PRODUCER_REGS, EPI_REGS, EPI_REGS])
-        else:
-            gl.warp_specialize([(_consumer0, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
-                                (_consumer1, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS)),
-                                (_producer, (ops, ACT, HAS_BIAS, STORE_PRE, GROUP, EPI_ROWS))],
-                               [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        args = (x_desc, w_desc, y_desc, pre_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, b_ptr, M, N, K,
+                ACT, HAS_BIAS, STORE_PRE, GROUP)
+        gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])
 
     @functools.lru_cache(None)
     def _smem_layout(dtype, rows, cols):
@@ -274,13 +197,12 @@ if gluon is not None:
 
 
 def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs, block_k=BLOCK_K, stages=STAGES,
-                            group=GROUP_M, epilogue_warpgroups=False, epilogue_rows=EPILOGUE_ROWS):
+                            group=GROUP_M):
     """y = act(x W^T + b) into y (and x W^T + b into pre when pre is not None); x (M, K), weight
     (N, K), y/pre (M, N), 16-bit, one dtype, TMA-ready (linear_act._tma_ok); M, N, K > 0.
     programs: SMs to use (one program each). block_k / stages / group: the K step, the operand
     ring's depth and the tile walk's band height; the library runs the defaults, and
-    scripts/pingpong_probe.py times other choices, and epilogue_warpgroups with the slice height
-    epilogue_rows (8 or 16; see the module docstring)."""
+    scripts/pingpong_probe.py times other choices."""
     M, K = x.shape
     N = weight.shape[0]
 
@@ -289,11 +211,8 @@ def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs, block_k=B
 
     y_desc = desc(y, BLOCK_M, BLOCK_N)
     grid = (min(programs, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)),)
-    regs = ({"EPI_ROWS": epilogue_rows, "CONSUMER_REGS": EPI_CONSUMER_REGS, "EPI_REGS": _EPI_REGS[epilogue_rows],
-             "maxnreg": EPI_MAXNREG} if epilogue_warpgroups
-            else {"EPI_ROWS": 0, "CONSUMER_REGS": CONSUMER_REGS, "EPI_REGS": PRODUCER_REGS, "maxnreg": MAXNREG})
     _linear_act_pingpong_kernel[grid](
         desc(x, BLOCK_M, block_k), desc(weight, BLOCK_N, block_k), y_desc,
         desc(pre, BLOCK_M, BLOCK_N) if pre is not None else y_desc, bias if bias is not None else x, M, N, K,
         ACT=act_id, HAS_BIAS=bias is not None, STORE_PRE=pre is not None, GROUP=group, NSTAGE=stages,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, **regs)
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
