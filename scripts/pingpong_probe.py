@@ -1,7 +1,6 @@
 """The Hopper ping-pong forward (ampkernels/triton/linear_act_pingpong.py) under other K steps,
-operand-ring depths and tile-walk band heights, and the cooperative 256 x 128 kernel
-(linear_act_coop.py), beside cuBLAS's plain matmul and the tuned TMA kernel, as CUDA-graph
-replays (GPU time only), inference (no pre stored), bf16.
+operand-ring depths and tile-walk band heights, beside cuBLAS's plain matmul and the tuned TMA
+kernel, as CUDA-graph replays (GPU time only), inference (no pre stored), bf16.
     python scripts/pingpong_probe.py [--out DIR] [--acts gelu silu relu]
 Each variant's output is checked against F.linear + the activation in fp32 before it is timed.
 All variants compile for sm_90 within the H200's 227 KB of shared memory (5 stages of 64: 224 KB).
@@ -16,15 +15,12 @@ import torch.nn.functional as F
 from ampkernels.benchmarks.common import graph_replay_ms, probe_log
 from ampkernels.reference import ACTIVATIONS, act_fwd
 from ampkernels.triton import linear_act as tla
-from ampkernels.triton import linear_act_coop as coop
 from ampkernels.triton import linear_act_pingpong as pp
 
 # (M, K, N): the linear_act benchmark's shapes and FusedMLP's first GEMM in the MLP benchmark
 SHAPES = [(4096, 768, 3072), (8192, 1024, 4096), (8192, 4096, 4096), (8192, 4096, 16384), (16384, 1024, 4096)]
 # (block_k, stages, group): the default first; (64, 4, 8) was the default until 46194bc
 VARIANTS = [(pp.BLOCK_K, pp.STAGES, pp.GROUP_M), (64, 4, 8), (128, 2, 8), (32, 8, 8), (64, 5, 16), (64, 5, 4)]
-# the cooperative kernel's (block_k, stages), its default first
-COOP_VARIANTS = [(coop.BLOCK_K, coop.STAGES), (32, 6)]
 
 
 def _us(fn):
@@ -45,21 +41,19 @@ def _probe_shape(say, rows, m, k, n, acts, programs):
         want = act_fwd(z, act)
         tma = _us(lambda aid=aid: tla.linear_act_fwd(x, w, b, aid, False, tma=True, pingpong=False))
         say(f"{m}x{k}x{n} {act:5s} TMA kernel (tuned) {tma:7.1f} us  ratio {mm / tma:.3f}")
-        variants = [("pingpong", {"block_k": bk, "stages": st, "group": g}) for bk, st, g in VARIANTS]
-        variants += [("coop", {"block_k": bk, "stages": st}) for bk, st in COOP_VARIANTS]
-        for kernel, params in variants:
-            launch = pp.linear_act_fwd_pingpong if kernel == "pingpong" else coop.linear_act_fwd_coop
+        for block_k, stages, group in VARIANTS:
+            params = {"block_k": block_k, "stages": stages, "group": group}
 
-            def run(aid=aid, launch=launch, params=params):
-                launch(x, w, b, aid, y, None, programs, **params)
+            def run(aid=aid, params=params):
+                pp.linear_act_fwd_pingpong(x, w, b, aid, y, None, programs, **params)
 
             y.zero_()
             run()
             err = ((y.float() - want).abs().max() / want.abs().max()).item()
             t = _us(run) if err < 1e-2 else float("nan")
-            say(f"{m}x{k}x{n} {act:5s} {kernel:8s} " + " ".join(f"{p} {v:3d}" for p, v in params.items())
+            say(f"{m}x{k}x{n} {act:5s} pingpong " + " ".join(f"{p} {v:3d}" for p, v in params.items())
                 + f" {t:7.1f} us  ratio {mm / t:.3f}  max rel err {err:.1e}")
-            rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": kernel, **params, "us": t, "matmul_us": mm,
+            rows.append({"M": m, "K": k, "N": n, "act": act, "kernel": "pingpong", **params, "us": t, "matmul_us": mm,
                          "tma_us": tma, "max_rel_err": err})
 
 

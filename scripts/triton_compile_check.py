@@ -189,7 +189,6 @@ def launch_everything(max_shared):
     from ampkernels.reference import ACTIVATIONS
     from ampkernels.triton import layer_norm as tln
     from ampkernels.triton import linear_act as tla
-    from ampkernels.triton import linear_act_coop as coop
 
     tln._smem_per_program = lambda device: max_shared  # a meta device has no properties
 
@@ -206,10 +205,6 @@ def launch_everything(max_shared):
             for act_id in range(len(ACTIVATIONS)):
                 tla.linear_act_fwd(x, w, bias, act_id, True, tma=True, pingpong=True)
             tla.linear_act_fwd(x, w, None, gelu, False, tma=True, pingpong=True)
-            # the cooperative kernel (an experiment, not dispatched to): the heaviest epilogue and the lightest
-            coop.linear_act_fwd_coop(x, w, bias, gelu, y, y, 132)
-            coop.linear_act_fwd_coop(x, w, None, ACTIVATIONS.index("relu"), y, None, 132)
-            coop.linear_act_fwd_coop(x, w, bias, gelu, y, None, 132, block_k=32, stages=6)  # the probe's other ring
         if dtype == torch.float16:
             continue  # the branches below do not depend on the dtype
         # the GEMM with act' in its epilogue, every config: erf GELU, (256 x 512) @ (512 x 384)

@@ -912,34 +912,6 @@ def test_gpu_triton_hopper_kernels(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_triton_coop_kernel(dtype):
-    # the cooperative 256 x 128 kernel (an experiment, not dispatched to): every activation, bias
-    # or not, pre stored or not. 5000 x 1000 with K = 776 is 160 tiles, several per program; the
-    # last tile row has 136 rows, so its second half is 8 rows and TMA clips the rest; 2 x 24 x 8
-    # is one tile whose second half lies wholly past M
-    from ampkernels.triton import linear_act as tk
-    from ampkernels.triton import linear_act_coop as coop
-    if not tk.pingpong_enabled(torch.device("cuda")):
-        pytest.skip("the Gluon kernels need Hopper (sm_90) and Triton's Gluon")
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    for m, k, n in ((5000, 776, 1000), (2, 24, 8)):
-        x, w, b = _inputs(m, k, n, dtype, "cuda")
-        want_pre = reference.linear_act(x.double(), w.double(), b.double(), "identity")
-        for activation in ACTS:
-            act_id = reference.activation_id(activation)
-            want_y = reference.linear_act(x.double(), w.double(), b.double(), activation)
-            for bias in (b, None):
-                want = want_y if bias is not None else reference.linear_act(x.double(), w.double(), None, activation)
-                y, pre = torch.full((2, m, n), float("nan"), dtype=dtype, device="cuda")
-                coop.linear_act_fwd_coop(x, w, bias, act_id, y, pre if bias is not None else None, programs)
-                what = f"{m}x{k}x{n} {activation} bias={bias is not None}"
-                assert_rel_close(y, want, dtype, HOPPER_Y_FACTOR.get(activation, 1), what=f"y {what}")
-                if bias is not None:
-                    assert_rel_close(pre, want_pre, dtype, what=f"pre {what}")
-
-
-@pytest.mark.gpu
 def test_gpu_triton_times_pingpong_against_tma_once(monkeypatch):
     # left to itself the Triton forward times the two Hopper kernels once per shape and keeps
     # the faster; whichever it keeps, and the other when the pick is overridden, is right
