@@ -4,7 +4,10 @@ their times? At 7d4dbb7, interleaved rounds measured ampkernels' providers at T=
 (benchmarks/results/h200-2026-12-01-7d4dbb7-mlp-interleaved-report.txt). This times, in one
 process, the same providers (bench_mlp._providers, each in its own environment):
 
-  A. sequential: each provider alone, warmed up, then do_bench (rep 200 ms), as bench_mlp does;
+  A. sequential: each provider in turn, do_bench (rep 200 ms) as bench_mlp times it, but with
+     every provider's step built (and warmed up) first, where bench_mlp builds one at a time:
+     A against bench_mlp's rows tells whether the others' presence matters, B against A
+     whether the interleaving does;
   B. interleaved: every step kept alive, 5 rounds of do_bench (rep 100 ms) over the providers
      in turn, each round's median printed; B2: the same without the fp32 provider (17 ms fp32
      steps between rounds heat the GPU);
