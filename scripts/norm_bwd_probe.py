@@ -2,7 +2,8 @@
 (out.backward with the grads cleared, do_bench with L2 flushes) with its p20/p80 spread, the backend's kernel call alone
 (the launcher, no autograd), the same call replayed from a CUDA graph (the GPU time alone) and the
 host time per call (enqueued behind a long GPU sleep, so the host never waits), with the
-functions with the most own host time under cProfile. M*N = 2^27 as in the benchmark.
+functions with the most own host time under cProfile. M*N = 2^27 as in the benchmark. The Triton
+backend is measured with ampkernels.triton.launch and with Triton's own launch path.
     python scripts/norm_bwd_probe.py [N ...]
 """
 import functools
@@ -12,6 +13,7 @@ import torch
 from ampkernels.benchmarks.common import bench, graph_replay_ms, host_profile, top_host_functions
 
 import ampkernels
+from ampkernels.triton import launch as tlaunch
 from ampkernels.triton import layer_norm as tln
 
 NS = [int(a) for a in sys.argv[1:]] or [2048, 8192]
@@ -37,7 +39,10 @@ for n in NS:
     dy = torch.randn(m, n, device="cuda", dtype=dtype)
     for op in ("layer_norm", "rms_norm"):
         is_rms = op == "rms_norm"
-        for backend in ("cuda", "triton"):
+        # Triton twice: its kernels launched by ampkernels.triton.launch (kept compiled kernels),
+        # then through Triton's own kernel[grid](...) path, which launch() takes under the interpreter
+        for backend, label in (("cuda", "cuda"), ("triton", "triton"), ("triton", "triton, Triton's launch path")):
+            tlaunch._INTERPRET = label.endswith("path")
             fwd = (functools.partial(ampkernels.rms_norm, x, (n,), w, backend=backend) if is_rms
                    else functools.partial(ampkernels.layer_norm, x, (n,), w, b, backend=backend))
             out = fwd()
@@ -48,7 +53,7 @@ for n in NS:
                 out.backward(dy, retain_graph=True)
 
             backward()
-            print(f"N={n} {op} {backend}: out.backward {spread(backward)}; host {host(backward)}", flush=True)
+            print(f"N={n} {op} {label}: out.backward {spread(backward)}; host {host(backward)}", flush=True)
             if backend == "triton":
                 _, _, mean, rstd = tln.norm_fwd(x.detach(), w.detach(), None if is_rms else b.detach(), None, 1e-5,
                                                 is_rms, None, False)

@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import cdiv, device_index, device_properties, on_device
+from .launch import launch
 
 _MAX_FWD_BLOCK = 16384  # elements of a row held in registers by the forward
 _MAX_BWD_BLOCK = 8192   # ... by the backward with x, dy, weight and the dweight/dbias sums (16384 spills)
@@ -597,11 +598,11 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     with on_device(x):
         if chunked:
             chunk, chunk_warps, unroll = chunked
-            _norm_fwd_chunked_kernel[(M,)](*ptrs, M, eps, int(want_stats), N=N, **flags, BLOCK_N=chunk,
-                                           UNROLL=unroll, EVEN=N % chunk == 0, num_warps=chunk_warps)
+            launch(_norm_fwd_chunked_kernel, (M,), *ptrs, M, eps, int(want_stats), N=N, **flags, BLOCK_N=chunk,
+                   UNROLL=unroll, EVEN=N % chunk == 0, num_warps=chunk_warps)
         else:
-            _norm_fwd_kernel[(cdiv(M, rows),)](*ptrs, M, N, eps, **flags, BLOCK_N=block, ROWS=rows, PARAMS_FIRST=params_first,
-                                               STORE_STATS=want_stats, num_warps=warps)
+            launch(_norm_fwd_kernel, (cdiv(M, rows),), *ptrs, M, N, eps, **flags, BLOCK_N=block, ROWS=rows,
+                   PARAMS_FIRST=params_first, STORE_STATS=want_stats, num_warps=warps)
     return out, res_out, mean, rstd
 
 
@@ -678,12 +679,12 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
                  HAS_DRES=dres.numel() > 0, WANT_DW=want_dweight, WANT_DB=want_dbias)
     with on_device(x):
         if looped:
-            _norm_bwd_looped_kernel[(progs,)](*args, **flags, BLOCK_N=block, STAGES=stages, num_warps=warps)
+            launch(_norm_bwd_looped_kernel, (progs,), *args, **flags, BLOCK_N=block, STAGES=stages, num_warps=warps)
         else:
-            _norm_bwd_kernel[(progs,)](*args, **flags, BLOCK_N=block, ROWS=rows, STAGES=stages,
-                                       RELOAD=block > _MAX_BWD_BLOCK, MASKED=rows > 1 or block != N, num_warps=warps)
+            launch(_norm_bwd_kernel, (progs,), *args, **flags, BLOCK_N=block, ROWS=rows, STAGES=stages,
+                   RELOAD=block > _MAX_BWD_BLOCK, MASKED=rows > 1 or block != N, num_warps=warps)
         if partials.shape[0]:
             first, last = (dw if want_dweight else db), (db if want_dbias else dw)
-            _col_sum_kernel[(cdiv(N, 128), partials.shape[0])](partials, first, last, progs, N, BLOCK_R=16,
-                                                               BLOCK_C=128, num_warps=4)
+            launch(_col_sum_kernel, (cdiv(N, 128), partials.shape[0]), partials, first, last, progs, N,
+                   BLOCK_R=16, BLOCK_C=128, num_warps=4)
 

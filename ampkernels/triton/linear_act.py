@@ -35,6 +35,7 @@ import triton.language as tl
 from . import cdiv, device_index, device_properties, on_device
 from . import linear_act_pingpong as _pingpong
 from .epilogue import _act_fwd, _act_grad, _tile_origin
+from .launch import launch
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -387,8 +388,8 @@ def linear_act_dz(dy, saved, act_id, want_dbias, out=None):
     grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
     part = torch.empty((grid[0], N), dtype=torch.float32, device=dy.device) if want_dbias else dz
     with on_device(dy):
-        _linear_act_dz_kernel[grid](dy, saved, dz, part, M, N, ACT=act_id, WANT_PARTIAL=want_dbias,
-                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SUB_M=SUB_M, num_warps=4)
+        launch(_linear_act_dz_kernel, grid, dy, saved, dz, part, M, N, ACT=act_id, WANT_PARTIAL=want_dbias,
+               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SUB_M=SUB_M, num_warps=4)
     return dz, (part.sum(0) if want_dbias else None)
 
 
@@ -409,8 +410,8 @@ def act_forward(pre, act_id):
     if pre.numel():
         BLOCK = 1024 if _INTERPRET else 4096  # 32 elements a thread at 4 warps: 16-byte vectors
         with on_device(pre):
-            _act_fwd_pass_kernel[(cdiv(pre.numel(), BLOCK),)](pre, y, pre.numel(), ACT=act_id, BLOCK=BLOCK,
-                                                            num_warps=4)
+            launch(_act_fwd_pass_kernel, (cdiv(pre.numel(), BLOCK),), pre, y, pre.numel(), ACT=act_id, BLOCK=BLOCK,
+                   num_warps=4)
     return y
 
 

@@ -1,0 +1,85 @@
+"""launch(kernel, grid, *args, **kwargs): kernel[grid](*args, **kwargs) at a fraction of the host cost.
+
+Triton's `kernel[grid](...)` binds the arguments, specializes each one, hashes a cache key and
+builds launch metadata on every call: 20-40 us of host time a launch on the H200 machine
+(scripts/norm_bwd_probe.py), as much as a 2^27-element norm backward keeps the GPU busy, so
+calls whose host time nears their GPU time run at the host's pace and follow its jitter.
+launch() makes a specialization's first call the normal way and keeps the compiled kernel
+Triton returns; later calls with the same specialization hand the arguments straight to that
+kernel's launcher (the call JITFunction.run itself ends in).
+
+The key is at least as fine as Triton's specialization (tests/test_triton_launch.py checks it
+against Triton's own): per tensor its dtype and whether its address is 16-byte aligned; per int
+whether it is 1, whether it is a multiple of 16 and which of i32/i64/u64 holds it; floats, bools
+and None by type; every keyword value (constexprs, num_warps, ...); the current device. Any other
+argument type, a grid function, launch hooks (profilers) or the interpreter take Triton's path.
+"""
+import os
+
+import torch
+from triton import knobs
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_COMPILED = {}  # launch key -> Triton's CompiledKernel
+_PARAMS = {}    # kernel -> (parameter names, defaults), in signature order
+_NO_DEFAULT = object()
+_I32, _I64 = 1 << 31, 1 << 63
+
+
+class _Unkeyed(Exception):
+    """An argument launch() cannot key: the call takes Triton's path."""
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool):  # before int: a bool is an int
+        return bool
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, 0 if -_I32 <= a < _I32 else 1 if -_I64 <= a < _I64 else 2
+    if isinstance(a, float):
+        return float
+    if a is None:
+        return None
+    raise _Unkeyed
+
+
+def launch_key(kernel, device, args, kwargs):
+    """The key under which launch() keeps the compiled kernel of kernel[grid](*args, **kwargs)."""
+    return kernel, device, tuple(map(_arg_key, args)), tuple(kwargs.items())
+
+
+def _params(kernel):
+    p = _PARAMS.get(kernel)
+    if p is None:
+        p = _PARAMS[kernel] = (tuple(q.name for q in kernel.params),
+                               tuple(q.default if q.has_default else _NO_DEFAULT for q in kernel.params))
+    return p
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs) for a plain @triton.jit kernel and a tuple grid; constexprs
+    and launch options as keywords, the other parameters positional."""
+    runtime = knobs.runtime
+    if _INTERPRET or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    try:
+        key = launch_key(kernel, device, args, kwargs)
+    except _Unkeyed:
+        kernel[grid](*args, **kwargs)
+        return
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        # keyed by value only: a keyword tensor (keyed by identity) would add a key a call
+        if isinstance(grid, tuple) and all(v is None or isinstance(v, (int, float, str)) for v in kwargs.values()):
+            _COMPILED[key] = compiled
+        return
+    names, defaults = _params(kernel)
+    values = list(args)
+    values.extend(kwargs.get(name, default) for name, default in zip(names[len(args):], defaults[len(args):]))
+    grid = tuple(grid) + (1, 1)
+    compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *values)
