@@ -201,7 +201,7 @@ def _sweep_cases(ns, passes):
                     cfg = (tln._LOOP_BLOCK if looped else block, rows, warps, per_sm, looped, s)
                     cases.append((n, "bwd", "layer_norm", w32, cfg))
         # RMSNorm at the default config (no bias gradient: fewer registers, another compile)
-        cases.append((n, "bwd", "rms_norm", False, tln._bwd_config(n)))
+        cases.append((n, "bwd", "rms_norm", False, tln._bwd_config(n, True)))
     return cases
 
 
@@ -243,7 +243,7 @@ def _sweep_case(recorder, tln, t, n, pas, op, w32, cfg):
         nbytes = 2 * m * n * t.x.element_size()
         fields = {"param_dtype": str(w.dtype)[6:]}
     else:
-        tln._bwd_config = lambda _n: cfg
+        tln._bwd_config = lambda _n, _is_rms=False, _wide_params=False: cfg
         is_rms = op == "rms_norm"
         w = t.w32 if w32 else t.w
         mean, rstd = t.stats[op]

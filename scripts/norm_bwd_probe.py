@@ -40,9 +40,9 @@ for n in NS:
     for op in ("layer_norm", "rms_norm"):
         is_rms = op == "rms_norm"
         # Triton twice: its kernels launched by ampkernels.triton.launch (kept compiled kernels),
-        # then through Triton's own kernel[grid](...) path, which launch() takes under the interpreter
+        # then through Triton's own kernel[grid](...) path
         for backend, label in (("cuda", "cuda"), ("triton", "triton"), ("triton", "triton, Triton's launch path")):
-            tlaunch._INTERPRET = label.endswith("path")
+            tlaunch._TRITON_PATH_ONLY = label.endswith("path")
             fwd = (functools.partial(ampkernels.rms_norm, x, (n,), w, backend=backend) if is_rms
                    else functools.partial(ampkernels.layer_norm, x, (n,), w, b, backend=backend))
             out = fwd()

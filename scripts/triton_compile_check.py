@@ -180,6 +180,8 @@ class Checker:
 
         JITFunction.run = jit_run
         Autotuner.run = autotuned_run
+        from ampkernels.triton import launch
+        launch._TRITON_PATH_ONLY = True  # every launch through JITFunction.run, replaced above
 
 
 def launch_everything(max_shared):

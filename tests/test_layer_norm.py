@@ -380,6 +380,12 @@ def test_triton_bwd_config_stages_and_fit(monkeypatch):
             else:
                 assert tln._bwd_config(16384) == (16384, 1, 16, 1, False, 2)
                 assert tln._bwd_config(65536)[4]
+            if env is None:  # RMSNorm's own launch at 16384, by params width
+                assert tln._bwd_config(16384, True) == (16384, 1, 32, 1, False, 1)
+                assert tln._bwd_config(16384, True, True) == (16384, 1, 16, 1, False, 1)
+                assert tln._bwd_config(8192, True) == tln._bwd_config(8192)
+            else:  # the override applies to both norms
+                assert tln._bwd_config(16384, True) == tln._bwd_config(16384)
         monkeypatch.setenv(tln._STAGES_ENV, "x")
         tln._bwd_stages_override.cache_clear()
         with pytest.raises(ValueError, match=tln._STAGES_ENV):

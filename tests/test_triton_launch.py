@@ -65,7 +65,7 @@ class _FakeKernel:
 
 @pytest.fixture
 def fast_path(monkeypatch):
-    monkeypatch.setattr(L, "_INTERPRET", False)
+    monkeypatch.setattr(L, "_TRITON_PATH_ONLY", False)
     monkeypatch.setattr(L, "_COMPILED", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)

@@ -19,7 +19,8 @@ import os
 import torch
 from triton import knobs
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# the interpreter runs kernels itself; probes and the compile check set it to time or intercept Triton's path
+_TRITON_PATH_ONLY = os.environ.get("TRITON_INTERPRET") == "1"
 _COMPILED = {}  # launch key -> Triton's CompiledKernel
 _PARAMS = {}    # kernel -> (parameter names, defaults), in signature order
 _NO_DEFAULT = object()
@@ -61,7 +62,7 @@ def launch(kernel, grid, *args, **kwargs):
     """kernel[grid](*args, **kwargs) for a plain @triton.jit kernel and a tuple grid; constexprs
     and launch options as keywords, the other parameters positional."""
     runtime = knobs.runtime
-    if _INTERPRET or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
+    if _TRITON_PATH_ONLY or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()

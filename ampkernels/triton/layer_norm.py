@@ -518,9 +518,10 @@ def _bwd_stages_override():
 
 
 @functools.lru_cache(None)
-def _bwd_config(n):
-    """(BLOCK_N, ROWS, num_warps, programs per SM, looped, num_stages) for rows of n elements.
-    The register kernel takes RELOAD when BLOCK_N > _MAX_BWD_BLOCK (see norm_bwd)."""
+def _bwd_config(n, is_rms=False, wide_params=False):
+    """(BLOCK_N, ROWS, num_warps, programs per SM, looped, num_stages) for rows of n elements
+    (wide_params: fp32 weight with 16-bit x). The register kernel takes RELOAD when BLOCK_N >
+    _MAX_BWD_BLOCK (see norm_bwd)."""
     override = _bwd_stages_override()
     block = triton.next_power_of_2(n)
     if override == 1:  # the launch before the pipelined backward
@@ -532,6 +533,12 @@ def _bwd_config(n):
     if block > _MAX_BWD_RELOAD_BLOCK:
         return _looped_bwd_config()
     if block > _MAX_BWD_BLOCK:
+        if is_rms and not override:
+            # unpipelined, 32 warps with 16-bit params: 3.54-3.56 TB/s against 2.94-3.01 for the
+            # LayerNorm launch; fp32 params 16 warps, 3.14-3.21 against 2.67-2.68 (H200 sweep at N =
+            # 16384, h200-2026-12-01-820e9f8-norm-bwd-sweep.log). LayerNorm's launch was the
+            # sweep's best or within 6% of it in every case
+            return block, 1, 16 if wide_params else 32, 1, False, 1
         return block, 1, 16, 1, False, min(override or 2, 2)
     rows = min(64, max(1, 2048 // block))
     warps = 4 if block * rows <= 2048 else 8 if block <= 4096 else 16
@@ -626,7 +633,7 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
     # models the pipeline's buffers; the compiler's own use can exceed it (with Triton 3.8,
     # N = 16384 with dresidual_out: 14 KB more, past the H200's 227 KB): then Triton refuses the
     # launch, and the next smaller config that launches is what the key keeps
-    table_cfg = _bwd_config(N)
+    table_cfg = _bwd_config(N, is_rms, x.element_size() == 2 and weight is not None and weight.element_size() == 4)
     key = (table_cfg, x.dtype, dy.dtype, weight.dtype if weight is not None else None,
            dresidual_out.dtype if dresidual_out is not None else None, dres.dtype if dres.numel() else None,
            want_dweight, want_dbias, x.device)
