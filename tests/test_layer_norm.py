@@ -56,8 +56,14 @@ def _assert_inference_matches(inf, train, scale, backend):
         return
     gap = (inf.double() - train.double()).abs()
     ulps = (4 * torch.finfo(train.dtype).eps + 16 * torch.finfo(torch.float32).eps) * scale
-    assert bool((gap <= ulps + torch.finfo(train.dtype).tiny).all()), \
-        f"inference forward {gap.max().item():.3g} from the training forward"
+    excess = gap - ulps - torch.finfo(train.dtype).tiny
+    if bool((excess > 0).any()):
+        n = train.shape[-1]
+        at = divmod(int(excess.argmax()), n)  # (row, column) of the worst element, rows flattened
+        inf, train, ulps, scale = (t.reshape(-1, n) for t in (inf, train, ulps, scale))
+        raise AssertionError(f"inference forward {gap.max().item():.3g} from the training forward; worst at row, "
+                             f"column {at}: inference {inf[at].item():.6g}, training {train[at].item():.6g}, "
+                             f"allowed {ulps[at].item():.3g} (scale {scale[at].item():.3g})")
 
 
 def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=False, out_dtype=None, factor=1.0,
