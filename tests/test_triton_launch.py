@@ -6,10 +6,10 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
-from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.nvidia.compiler import CUDABackend
 
-from ampkernels.triton import launch as L  # noqa: E402
+from ampkernels.triton import launch as L
 
 I32, I64 = 2**31, 2**63
 
@@ -21,7 +21,43 @@ def _values():
     tensors = [base, base[1:], base[4:]]  # 16-byte aligned, 4-byte off, 16-byte aligned again
     tensors += [base.view(torch.float16)[k:] for k in (0, 1, 8)] + [base.view(torch.bfloat16)[3:]]
     tensors += [torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.int64)[1:]]
-    return ints + [0.0, 1.0, 2.5, True, False, None] + tensors
+    return ints + [0.0, 1.0, 2.5, True, False, None] + tensors + _descriptors()
+
+
+def _descriptors():
+    """TMA descriptors differing in dtype, block shape and (Gluon) layout, over aligned storage."""
+    x = torch.empty(256, 128, dtype=torch.float16)
+    out = []
+    for cls, layouts in _descriptor_kinds():
+        for t in (x, x.view(torch.bfloat16), x[:, :64]):
+            for block in ([64, 64], [64, 128], [128, 64]):
+                if block[1] > t.shape[1]:
+                    continue
+                for layout in layouts(t.dtype, block):
+                    out.append(cls.from_tensor(t, block, *layout))
+    return out
+
+
+def _descriptor_kinds():
+    """(descriptor class, layouts(dtype, block) -> extra from_tensor arguments) for the classes here."""
+    found = []
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        found.append((TensorDescriptor, lambda dtype, block: [()]))
+    except ImportError:
+        pass
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+        def gluon_layouts(dtype, block):
+            gdt = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+            return [(gl.NVMMASharedLayout.get_default_for(block, gdt),),
+                    (gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2),)]
+        found.append((GluonDescriptor, gluon_layouts))
+    except ImportError:
+        pass
+    return found
 
 
 def test_key_is_at_least_as_fine_as_triton_specialization():
@@ -50,8 +86,8 @@ class _FakeCompiled:
 
 class _FakeKernel:
     """kernel[grid](...) as Triton's JITFunction: launches and returns its compiled kernel."""
-    params = [types.SimpleNamespace(name=n, has_default=d is not None, default=d)
-              for n, d in (("X", None), ("n", None), ("eps", 1e-5), ("BLOCK", None), ("FLAG", False))]
+    params = tuple(types.SimpleNamespace(name=n, has_default=d is not None, default=d)
+                   for n, d in (("X", None), ("n", None), ("eps", 1e-5), ("BLOCK", None), ("FLAG", False)))
 
     def __init__(self):
         self.slow_calls, self.compiled = [], _FakeCompiled()
@@ -86,7 +122,7 @@ def test_second_call_runs_the_kept_kernel_with_arguments_in_signature_order(fast
 def test_a_different_specialization_takes_tritons_path(fast_path, change):
     k, x = _FakeKernel(), torch.empty(16, dtype=torch.float16)
     L.launch(k, (1,), x, 100, BLOCK=64, num_warps=4)
-    args, kwargs = [x, 100], dict(BLOCK=64, num_warps=4)
+    args, kwargs = [x, 100], {"BLOCK": 64, "num_warps": 4}
     if change == "misaligned":
         args[0] = x[1:]
     elif change == "int_one":
@@ -129,6 +165,6 @@ def test_gpu_kept_kernel_is_the_one_triton_picks():
         y = tla.act_forward(pre, 3)  # through launch()
         torch.testing.assert_close(y.float(), torch.nn.functional.gelu(pre.float(), approximate="tanh"),
                                    atol=2e-3, rtol=2e-3)
-        args, kwargs = (pre, y, n), dict(ACT=3, BLOCK=4096, num_warps=4)
+        args, kwargs = (pre, y, n), {"ACT": 3, "BLOCK": 4096, "num_warps": 4}
         kept = L._COMPILED[L.launch_key(tla._act_fwd_pass_kernel, torch.cuda.current_device(), args, kwargs)]
         assert tla._act_fwd_pass_kernel[(1,)](*args, **kwargs) is kept

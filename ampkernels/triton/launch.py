@@ -1,17 +1,18 @@
 """launch(kernel, grid, *args, **kwargs): kernel[grid](*args, **kwargs) at a fraction of the host cost.
 
 Triton's `kernel[grid](...)` binds the arguments, specializes each one, hashes a cache key and
-builds launch metadata on every call: 20-40 us of host time a launch on the H200 machine
-(scripts/norm_bwd_probe.py), as much as a 2^27-element norm backward keeps the GPU busy, so
-calls whose host time nears their GPU time run at the host's pace and follow its jitter.
-launch() makes a specialization's first call the normal way and keeps the compiled kernel
+builds launch metadata on every call. Host time is what small and medium calls wait on (a Triton
+norm backward costs the H200 machine's host about as much as its kernels take the GPU), and
+launch() takes 9-14 us off such a call's ~100 (two launches; scripts/norm_bwd_probe.py,
+benchmarks/results/h200-2026-12-01-820e9f8-norm-bwd-probe.log). launch() makes a specialization's first call the normal way and keeps the compiled kernel
 Triton returns; later calls with the same specialization hand the arguments straight to that
 kernel's launcher (the call JITFunction.run itself ends in).
 
 The key is at least as fine as Triton's specialization (tests/test_triton_launch.py checks it
 against Triton's own): per tensor its dtype and whether its address is 16-byte aligned; per int
-whether it is 1, whether it is a multiple of 16 and which of i32/i64/u64 holds it; floats, bools
-and None by type; every keyword value (constexprs, num_warps, ...); the current device. Any other
+whether it is 1, whether it is a multiple of 16 and which of i32/i64/u64 holds it; per TMA
+descriptor its class, dtype, block shape, layout and padding; floats, bools and None by type;
+every keyword value (constexprs, num_warps, ...); the current device. Any other
 argument type, a grid function, launch hooks (profilers) or the interpreter take Triton's path.
 """
 import os
@@ -25,6 +26,24 @@ _COMPILED = {}  # launch key -> Triton's CompiledKernel
 _PARAMS = {}    # kernel -> (parameter names, defaults), in signature order
 _NO_DEFAULT = object()
 _I32, _I64 = 1 << 31, 1 << 63
+
+
+def _descriptor_classes():
+    classes = []
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        classes.append(TensorDescriptor)
+    except ImportError:
+        pass
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        classes.append(TensorDescriptor)
+    except ImportError:
+        pass
+    return tuple(classes)
+
+
+_DESCRIPTORS = _descriptor_classes()  # Triton's and Gluon's TMA descriptors, where this Triton has them
 
 
 class _Unkeyed(Exception):
@@ -42,6 +61,9 @@ def _arg_key(a):
         return float
     if a is None:
         return None
+    if isinstance(a, _DESCRIPTORS):  # Triton specializes on its type: dtype, block shape, layout
+        return (type(a), a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None), a.padding,
+                getattr(a, "round_f32_to_tf32", False))
     raise _Unkeyed
 
 

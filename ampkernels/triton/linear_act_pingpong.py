@@ -30,9 +30,10 @@ scripts/triton_compile_check.py and tested on the GPU (tests/test_linear_act.py)
 import functools
 
 import torch
-import triton
 
+from . import cdiv
 from .epilogue import _act_fwd, _tile_origin  # triton.jit functions: Gluon functions call them
+from .launch import launch
 
 try:
     from triton.experimental import gluon
@@ -210,9 +211,9 @@ def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs, block_k=B
         return TensorDescriptor.from_tensor(t, [rows, cols], _smem_layout(t.dtype, rows, cols))
 
     y_desc = desc(y, BLOCK_M, BLOCK_N)
-    grid = (min(programs, triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)),)
-    _linear_act_pingpong_kernel[grid](
-        desc(x, BLOCK_M, block_k), desc(weight, BLOCK_N, block_k), y_desc,
+    grid = (min(programs, cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)),)
+    launch(
+        _linear_act_pingpong_kernel, grid, desc(x, BLOCK_M, block_k), desc(weight, BLOCK_N, block_k), y_desc,
         desc(pre, BLOCK_M, BLOCK_N) if pre is not None else y_desc, bias if bias is not None else x, M, N, K,
         ACT=act_id, HAS_BIAS=bias is not None, STORE_PRE=pre is not None, GROUP=group, NSTAGE=stages,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
