@@ -154,6 +154,19 @@ def test_uncacheable_calls_always_take_tritons_path(fast_path, monkeypatch):
     assert len(k.slow_calls) == 8 and not k.compiled.runs
 
 
+def test_hooks_as_older_tritons_hold_them(fast_path, monkeypatch):
+    """Before HookChain: None (no hook: the kept kernel runs) or a callable (Triton's path)."""
+    k, x = _FakeKernel(), torch.empty(16, dtype=torch.float16)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", None)
+    L.launch(k, (1,), x, 100, BLOCK=64)
+    L.launch(k, (1,), x, 100, BLOCK=64)
+    assert len(k.slow_calls) == 1 and len(k.compiled.runs) == 1
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", print)
+    L.launch(k, (1,), x, 100, BLOCK=64)
+    assert len(k.slow_calls) == 2 and len(k.compiled.runs) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kept_kernel_is_the_one_triton_picks():

@@ -1,12 +1,13 @@
-"""launch(kernel, grid, *args, **kwargs): kernel[grid](*args, **kwargs) at a fraction of the host cost.
+"""launch(kernel, grid, *args, **kwargs): kernel[grid](*args, **kwargs) with less host time.
 
 Triton's `kernel[grid](...)` binds the arguments, specializes each one, hashes a cache key and
 builds launch metadata on every call. Host time is what small and medium calls wait on (a Triton
-norm backward costs the H200 machine's host about as much as its kernels take the GPU), and
-launch() takes 9-14 us off such a call's ~100 (two launches; scripts/norm_bwd_probe.py,
-benchmarks/results/h200-2026-12-01-820e9f8-norm-bwd-probe.log). launch() makes a specialization's first call the normal way and keeps the compiled kernel
-Triton returns; later calls with the same specialization hand the arguments straight to that
-kernel's launcher (the call JITFunction.run itself ends in).
+norm backward costs the H200 machine's host about as much as its kernels take the GPU). launch()
+makes a specialization's first call the normal way and keeps the compiled kernel Triton returns;
+later calls with the same specialization hand the arguments straight to that kernel's launcher
+(the call JITFunction.run itself ends in). That took 9-14 us off a Triton norm backward call's
+~100 (two launches; scripts/norm_bwd_probe.py,
+benchmarks/results/h200-2026-12-01-820e9f8-norm-bwd-probe.log).
 
 The key is at least as fine as Triton's specialization (tests/test_triton_launch.py checks it
 against Triton's own): per tensor its dtype and whether its address is 16-byte aligned; per int
@@ -18,10 +19,14 @@ argument type, a grid function, launch hooks (profilers) or the interpreter take
 import os
 
 import torch
-from triton import knobs
+
+try:
+    from triton import knobs
+except ImportError:  # a Triton before 3.4: launches take Triton's path
+    knobs = None
 
 # the interpreter runs kernels itself; probes and the compile check set it to time or intercept Triton's path
-_TRITON_PATH_ONLY = os.environ.get("TRITON_INTERPRET") == "1"
+_TRITON_PATH_ONLY = os.environ.get("TRITON_INTERPRET") == "1" or knobs is None
 _COMPILED = {}  # launch key -> Triton's CompiledKernel
 _PARAMS = {}    # kernel -> (parameter names, defaults), in signature order
 _NO_DEFAULT = object()
@@ -81,10 +86,12 @@ def _params(kernel):
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """kernel[grid](*args, **kwargs) for a plain @triton.jit kernel and a tuple grid; constexprs
-    and launch options as keywords, the other parameters positional."""
-    runtime = knobs.runtime
-    if _TRITON_PATH_ONLY or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
+    """kernel[grid](*args, **kwargs) for a @triton.jit or @gluon.jit kernel (not an autotuned one)
+    and a tuple grid; constexprs and launch options as keywords, the other parameters positional."""
+    # launch hooks (profilers): a HookChain since Triton 3.5, before that a callable or None
+    enter, leave = (None, None) if _TRITON_PATH_ONLY else (knobs.runtime.launch_enter_hook,
+                                                           knobs.runtime.launch_exit_hook)
+    if _TRITON_PATH_ONLY or getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
