@@ -2,7 +2,8 @@
 timings (ms per config) and pick, then each backend's forward under do_bench as a user calls it
 and the same call replayed from a CUDA graph (no host work: the GPU time alone); with --host,
 the host time per call (enqueued behind a long GPU sleep, so the host never waits) and the
-functions with the most own host time under cProfile.
+functions with the most own host time under cProfile. "triton/kg" is the Triton backend with its
+launches through Triton's own kernel[grid] path instead of ampkernels.triton.launch.
     python scripts/linear_act_probe.py [M K N] [--host]
 """
 import functools
@@ -13,6 +14,7 @@ from ampkernels.benchmarks.common import graph_replay_ms, host_profile, top_host
 from triton.testing import do_bench
 
 import ampkernels
+from ampkernels.triton import launch as tlaunch
 from ampkernels.triton import linear_act as tl_linear
 
 HOST = "--host" in sys.argv
@@ -46,6 +48,17 @@ def print_host_profile(fn, calls=20):
         print(f"      {own:7.1f} us own {cum:7.1f} us cum {times:3d}x {where}")
 
 
+def via_kernel_grid(fn):
+    """fn with every launch through Triton's kernel[grid] path."""
+    def run():
+        tlaunch._TRITON_PATH_ONLY = True
+        try:
+            return fn()
+        finally:
+            tlaunch._TRITON_PATH_ONLY = False
+    return run
+
+
 def train_step(backend, act):
     y = (torch.nn.functional.relu(torch.nn.functional.linear(xg, wg, bg)) if backend == "eager"
          else ampkernels.linear_act(xg, wg, bg, act, backend=backend))
@@ -58,7 +71,8 @@ with torch.no_grad():
     for act in ("relu", "silu", "gelu", "gelu_tanh"):
         for backend in ("cuda", "triton"):
             fn = functools.partial(ampkernels.linear_act, x, w, b, act, backend=backend)
-            report(f"{act:9s} {backend:6s} fwd", fn, flop)
+            report(f"{act:9s} {backend:9s} fwd", fn, flop)
+        report(f"{act:9s} triton/kg fwd", via_kernel_grid(fn), flop)
         for kern in (tl_linear._linear_act_fwd_tma_kernel, tl_linear._linear_act_fwd_kernel):
             timings = getattr(kern, "configs_timings", None)
             if timings:
@@ -69,4 +83,5 @@ with torch.no_grad():
                 kern.configs_timings = None
 print("forward + backward (relu; eager = F.linear + relu):")
 for backend in ("eager", "cuda", "triton"):
-    report(f"relu {backend:6s} fwd+bwd", functools.partial(train_step, backend, "relu"), 3 * flop)
+    report(f"relu {backend:9s} fwd+bwd", functools.partial(train_step, backend, "relu"), 3 * flop)
+report("relu triton/kg fwd+bwd", via_kernel_grid(functools.partial(train_step, "triton", "relu")), 3 * flop)
