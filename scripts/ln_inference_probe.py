@@ -3,7 +3,8 @@ forward by more than tests/test_layer_norm.py allows (test_gpu_sizes[False-768-t
 two of four input seeds at 029995a, benchmarks/results/h200-2026-12-01-029995a-ln-inference-seed-repro.log).
 Inputs as that test makes them (bf16 x of 300 rows, fp32 weight and bias, row 1 all zero), one
 seed after another: every element beyond the test's allowance is printed with both kernels'
-values, the CUDA backend's, the float64 reference and its row's statistics.
+values, the CUDA backend's, the float64 reference and its row's statistics, and any element a
+kernel left unwritten.
     python scripts/ln_inference_probe.py [N] [--seeds 16] [--out DIR]
 """
 import argparse
@@ -34,8 +35,13 @@ def main():
             x[1] = 0
             w = torch.randn(n, device="cuda") * 0.5 + 1.0
             b = torch.randn(n, device="cuda") * 0.5
+            # each output most likely gets the block of a NaN-filled tensor just freed (the caching
+            # allocator reuses it), so an element a kernel leaves unwritten shows as NaN
+            torch.full_like(x, float("nan"))
             train = tln.norm_fwd(x, w, b, None, eps, False, None, False, want_stats=True)[0]
+            torch.full_like(x, float("nan"))
             inf = tln.norm_fwd(x, w, b, None, eps, False, None, False, want_stats=False)[0]
+            unwritten = int(train.isnan().sum()), int(inf.isnan().sum())
             cuda = torch.ops.ampkernels.norm_fwd_cuda(x, w, b, None, eps, False, None, False, True)[0]
             ref = reference.layer_norm(x.double(), n, w.double(), b.double(), eps)
             scale = (ref - b.double()).abs() + b.double().abs()
@@ -43,7 +49,8 @@ def main():
             gap = (inf.double() - train.double()).abs()
             bad = (gap > allowed).nonzero().tolist()
             differing = int((gap > 0).sum())
-            say(f"seed {seed}: {differing} elements differ, {len(bad)} beyond the allowance")
+            say(f"seed {seed}: {differing} elements differ, {len(bad)} beyond the allowance; NaN (unwritten?) "
+                f"in training / inference output: {unwritten[0]} / {unwritten[1]}")
             for r, c in bad[:8]:
                 row = x[r].double()
                 say(f"  [{r}, {c}] inference {inf[r, c].item():.6g} training {train[r, c].item():.6g} "
