@@ -246,13 +246,14 @@ def _main():
     p.add_argument("--activation", default="gelu_tanh")
     p.add_argument("--device", default="cpu")
     p.add_argument("--top", type=int, default=12, help="live tensors listed per peak")
+    p.add_argument("--backend", default=None, help="FusedMLP's backend on cuda (default: auto)")
     a = p.parse_args()
     dtype, cuda = getattr(torch, a.dtype), a.device.startswith("cuda")
     variants = [("eager", None), ("fused", None if cuda else "kernel")] + ([] if cuda else [("fused", "torch")])
     peaks = {}
     for kind, ln in variants + [("mlp-eager", None), ("mlp-fused", None)]:
-        step, unit = mlp_block_step(kind, a.tokens, a.hidden, dtype, a.activation, ln=ln or "kernel",
-                                    device=a.device)
+        step, unit = mlp_block_step(kind, a.tokens, a.hidden, dtype, a.activation, backend=a.backend if cuda else None,
+                                    ln=ln or "kernel", device=a.device)
         mem = step_peak(step)
         name = kind + (f" (ln={ln})" if ln else "")
         peaks[name] = mem.peak
