@@ -569,6 +569,11 @@ def _bwd_fit(cfg, smem, x, dy, weight, dresidual_out):
     return block, rows, warps, per_sm, looped, stages
 
 
+def _wide_params(x, weight):
+    """fp32 params with 16-bit x (the AMP case), which the launch tables key on."""
+    return x.element_size() == 2 and weight is not None and weight.element_size() == 4
+
+
 def _check_2d(x, name):
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"triton norm: {name} must be a contiguous 2-D tensor, got shape {tuple(x.shape)}")
@@ -599,7 +604,7 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
             dummy if bias is None else bias, out, dummy if residual is None else res_out,
             mean if want_stats and not is_rms else stat_dummy, rstd if want_stats else stat_dummy)
     flags = dict(IS_RMS=is_rms, HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None)
-    wide_params = x.element_size() == 2 and weight is not None and weight.element_size() == 4
+    wide_params = _wide_params(x, weight)
     block, rows, warps, params_first = _fwd_config(N, wide_params)
     chunked = _fwd_chunked(block, is_rms, wide_params)
     with on_device(x):
@@ -633,7 +638,7 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
     # models the pipeline's buffers; the compiler's own use can exceed it (with Triton 3.8,
     # N = 16384 with dresidual_out: 14 KB more, past the H200's 227 KB): then Triton refuses the
     # launch, and the next smaller config that launches is what the key keeps
-    table_cfg = _bwd_config(N, is_rms, x.element_size() == 2 and weight is not None and weight.element_size() == 4)
+    table_cfg = _bwd_config(N, is_rms, _wide_params(x, weight))
     key = (table_cfg, x.dtype, dy.dtype, weight.dtype if weight is not None else None,
            dresidual_out.dtype if dresidual_out is not None else None, dres.dtype if dres.numel() else None,
            want_dweight, want_dbias, x.device)
