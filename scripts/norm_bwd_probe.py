@@ -4,10 +4,15 @@
 host time per call (enqueued behind a long GPU sleep, so the host never waits), with the
 functions with the most own host time under cProfile. M*N = 2^27 as in the benchmark. The Triton
 backend is measured with ampkernels.triton.launch and with Triton's own launch path.
-    python scripts/norm_bwd_probe.py [N ...]
+--spread adds, per backend, the percentiles of out.backward's host time call by call and the timed
+backward again with Python's garbage collector off: the benchmark's Triton backward rows are
+bimodal (p20 at the kernels' time, p80 up to 3x it) where the CUDA backend's are not.
+    python scripts/norm_bwd_probe.py [N ...] [--spread]
 """
 import functools
+import gc
 import sys
+import time
 
 import torch
 from ampkernels.benchmarks.common import bench, graph_replay_ms, host_profile, top_host_functions
@@ -16,7 +21,8 @@ import ampkernels
 from ampkernels.triton import launch as tlaunch
 from ampkernels.triton import layer_norm as tln
 
-NS = [int(a) for a in sys.argv[1:]] or [2048, 8192]
+NS = [int(a) for a in sys.argv[1:] if a != "--spread"] or [2048, 8192]
+SPREAD = "--spread" in sys.argv
 dtype = torch.bfloat16
 
 
@@ -29,6 +35,34 @@ def host(fn, calls=20):
     t, stats = host_profile(fn, calls, 2_000_000_000)  # ~1 s of GPU sleep ahead of the calls
     top = "; ".join(f"{own:.1f} us {where.split('/')[-1]}" for own, _, _, where in top_host_functions(stats, calls, 8))
     return f"{t * 1e6:.0f} us per call [{top}]"
+
+
+def host_percentiles(fn, calls=150, rounds=3):
+    """Percentiles of fn's host time, call by call, each batch enqueued behind a GPU sleep (150
+    calls of ~3 launches stay within the launch queue, so no call waits for the GPU)."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    q = torch.tensor(times).quantile(torch.tensor([0.1, 0.5, 0.9, 0.99])) * 1e6
+    return "p10 {:.0f}, p50 {:.0f}, p90 {:.0f}, p99 {:.0f}, max {:.0f} us".format(*q.tolist(), max(times) * 1e6)
+
+
+def spread_report(fn):
+    """Host percentiles and the timed call with the garbage collector on, then off."""
+    parts = []
+    for collect in (True, False):
+        (gc.enable if collect else gc.disable)()
+        try:
+            parts.append(f"gc {'on' if collect else 'off'}: host {host_percentiles(fn)}; timed {spread(fn)}")
+        finally:
+            gc.enable()
+    return "; ".join(parts)
 
 
 for n in NS:
@@ -54,6 +88,8 @@ for n in NS:
 
             backward()
             print(f"N={n} {op} {label}: out.backward {spread(backward)}; host {host(backward)}", flush=True)
+            if SPREAD:
+                print(f"  out.backward call by call, {spread_report(backward)}", flush=True)
             if backend == "triton":
                 _, _, mean, rstd = tln.norm_fwd(x.detach(), w.detach(), None if is_rms else b.detach(), None, 1e-5,
                                                 is_rms, None, False)
