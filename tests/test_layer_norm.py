@@ -57,8 +57,7 @@ def _assert_inference_matches(inf, train, out_scale, term_scale, backend):
         assert torch.equal(inf, train), "inference forward differs from the training forward"
         return
     gap = (inf.double() - train.double()).abs()
-    allowed = (4 * torch.finfo(train.dtype).eps * out_scale + 16 * torch.finfo(torch.float32).eps * term_scale
-               + torch.finfo(train.dtype).tiny)
+    allowed = _inference_allowance(train.dtype, out_scale, term_scale)
     excess = gap - allowed
     if bool((excess > 0).any()):
         n = train.shape[-1]
@@ -67,6 +66,11 @@ def _assert_inference_matches(inf, train, out_scale, term_scale, backend):
         raise AssertionError(f"inference forward differs from the training forward by {gap[at].item():.3g} at row, "
                              f"column {at}: inference {inf[at].item():.6g}, training {train[at].item():.6g}, "
                              f"allowed {allowed[at].item():.3g}")
+
+
+def _inference_allowance(dtype, out_scale, term_scale):
+    return (4 * torch.finfo(dtype).eps * out_scale + 16 * torch.finfo(torch.float32).eps * term_scale
+            + torch.finfo(dtype).tiny)
 
 
 def _check(is_rms, x, w, b, backend, eps=1e-5, residual=None, residual_in_fp32=False, out_dtype=None, factor=1.0,
