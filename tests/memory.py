@@ -236,6 +236,38 @@ def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_
     return step, tokens * hidden * torch.empty(0, dtype=dtype).element_size()
 
 
+def cuda_peak_blocks(step, unit, top, warmup=2):
+    """Lines: the CUDA caching allocator's view of one step (after warm-up steps), from
+    torch.cuda.memory's allocation history: the blocks alive at the step's peak, largest first,
+    each with the Python frames that allocated it. What the tracker cannot see (temporaries
+    inside an aten kernel or a C++ op) shows here under the op's caller."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc", stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, current, peak, at_peak = {}, 0, 0, []
+    for event in snapshot["device_traces"][torch.cuda.current_device()]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+            if current > peak:
+                peak, at_peak = current, sorted(live.values(), key=lambda e: -e["size"])
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+    lines = [f"allocator peak {peak / unit:8.2f} U above the step's start; blocks alive then:"]
+    for e in at_peak[:top]:
+        frames = [f"{f['filename'].split('site-packages/')[-1].split('/work/main/')[-1]}:{f['line']}({f['name']})"
+                  for f in e["frames"] if not f["filename"].startswith("<")][:5]
+        lines.append(f"  {e['size'] / unit:8.2f} U  " + " <- ".join(frames))
+    return lines
+
+
 def _main():
     import argparse
     p = argparse.ArgumentParser(description="Peak-memory breakdown of the pre-LN MLP block's training step "
@@ -247,6 +279,8 @@ def _main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--top", type=int, default=12, help="live tensors listed per peak")
     p.add_argument("--backend", default=None, help="FusedMLP's backend on cuda (default: auto)")
+    p.add_argument("--snapshot", action="store_true",
+                   help="on cuda, also the allocator's blocks alive at each step's peak and who allocated them")
     a = p.parse_args()
     dtype, cuda = getattr(torch, a.dtype), a.device.startswith("cuda")
     variants = [("eager", None), ("fused", None if cuda else "kernel")] + ([] if cuda else [("fused", "torch")])
@@ -264,6 +298,8 @@ def _main():
             print(f"torch.cuda peak {peaks[name] / unit:8.2f} U = {peaks[name] / 2**20:.1f} MiB "
                   f"(the tracker's below misses workspaces and the extension's internal buffers)")
         print("\n".join(mem.breakdown(unit, "U", a.top)))
+        if cuda and a.snapshot:
+            print("\n".join(cuda_peak_blocks(step, unit, a.top)))
     fused = "fused" if cuda else "fused (ln=kernel)"
     print(f"block: fused / eager peak = {peaks[fused] / peaks['eager']:.3f}"
           + ("" if cuda else f"; fused (ln=torch) / eager = {peaks['fused (ln=torch)'] / peaks['eager']:.3f}"))
