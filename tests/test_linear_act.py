@@ -217,6 +217,32 @@ def test_triton_dz_kernel(activation):
     assert_rel_close(db, dz.double().sum(0), torch.float32)
 
 
+def _check_column_sums(device):
+    # an identity layer's bias gradient on the Triton backend: the dz pass storing nothing
+    from ampkernels.triton import linear_act as tk
+    for m, n in ((1, 7), (45, 70), (130, 300), (0, 5)):
+        for dtype in (torch.float16, torch.bfloat16):
+            t = randn(m, n, dtype=dtype, device=device)
+            before = t.clone()
+            db = tk.column_sums(t)
+            assert db.dtype == torch.float32 and db.shape == (n,)
+            assert torch.equal(t, before), "column_sums modified its input"
+            if m:
+                assert_rel_close(db, t.double().sum(0), torch.float32, what=f"column sums {m}x{n} {dtype}")
+                assert torch.equal(db, tk.column_sums(t)), "column sums differ between two runs"
+            else:
+                assert not db.any()
+    t = randn(40, 64, dtype=torch.float16, device=device)
+    assert_rel_close(tk.column_sums(t[:, ::2]), t[:, ::2].double().sum(0), torch.float32, what="strided")
+
+
+@needs_triton
+def test_triton_column_sums():
+    if HAS_CUDA:
+        pytest.skip("GPU tier covers triton on CUDA tensors")
+    _check_column_sums("cpu")
+
+
 def _check_act_forward(dtype, device):
     # fused_mlp's Triton backward recomputes h = act(pre) with act_forward: the forward's
     # epilogue formulas on the pre-activation it stored, so the same bits as the forward's output
@@ -668,6 +694,11 @@ def test_gpu_act_backward_nan_and_inf_as_reference(backend):
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_gpu_triton_act_forward_is_the_forward_epilogue(dtype):
     _check_act_forward(dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_triton_column_sums():
+    _check_column_sums("cuda")
 
 
 @pytest.mark.gpu

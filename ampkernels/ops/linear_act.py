@@ -100,9 +100,12 @@ def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backe
         if grad_dtype is not None:
             dw, db = (dw.to(grad_dtype) if need_dw else dw), (db.to(grad_dtype) if need_db else db)
         return dx, dw, db
-    if backend == "triton" and activation != "identity":
+    if backend == "triton":
         from ..triton import linear_act as tk
-        dz, db32 = tk.linear_act_dz(dy, saved, act, need_db)
+        if activation != "identity":
+            dz, db32 = tk.linear_act_dz(dy, saved, act, need_db)
+        else:
+            dz, db32 = dy, (tk.column_sums(dy) if need_db else None)
     else:
         ct = torch.float32 if dy.dtype in _KERNEL_DTYPES else dy.dtype
         # dy is autograd's gradient, which other nodes may read: dz gets its own tensor

@@ -349,7 +349,9 @@ def _fwd(x, weight, bias, act_id, store_pre, tma, pingpong):
 
 @triton.jit
 def _linear_act_dz_kernel(dy_ptr, s_ptr, dz_ptr, part_ptr, M, N, ACT: tl.constexpr, WANT_PARTIAL: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr,
+                          STORE_DZ: tl.constexpr = True):
+    # identity (ACT 0) reads no saved tensor; STORE_DZ=False keeps only the column sums
     # BLOCK_M rows per program (one row of dbias partials each), walked SUB_M rows at a time:
     # a thread holds few elements whatever BLOCK_M is (a whole 64 x 128 tile at once took 255
     # registers and spilled, by ptxas -v, scripts/triton_compile_check.py)
@@ -364,9 +366,13 @@ def _linear_act_dz_kernel(dy_ptr, s_ptr, dz_ptr, part_ptr, M, N, ACT: tl.constex
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         dy = tl.load(dy_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        dz = (dy * _act_grad(s, ACT)).to(dz_ptr.dtype.element_ty)
-        tl.store(dz_ptr + off, dz, mask=mask)
+        if ACT == 0:
+            dz = dy.to(dz_ptr.dtype.element_ty)
+        else:
+            s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            dz = (dy * _act_grad(s, ACT)).to(dz_ptr.dtype.element_ty)
+        if STORE_DZ:
+            tl.store(dz_ptr + off, dz, mask=mask)
         if WANT_PARTIAL:  # dbias = column sums of dz as stored, accumulated in fp32 in a fixed order
             col += tl.where(mask, dz.to(tl.float32), 0.0)
     if WANT_PARTIAL:
@@ -378,19 +384,36 @@ def linear_act_dz(dy, saved, act_id, want_dbias, out=None):
 
     out: where dz goes (a new tensor when None); it may be dy itself, for callers that own dy:
     each program loads its tile of dy before it stores the same tile of dz."""
-    M, N = dy.shape
     dz = torch.empty_like(dy) if out is None else out
+    return dz, _dz_pass(dy, saved, dz, act_id, want_dbias, True)
+
+
+def column_sums(t):
+    """The fp32 column sums of a 2-D tensor (an identity layer's bias gradient), in a
+    fixed order: the dz pass storing nothing. Not t.sum(0): over T rows torch's reduction stages
+    per-block partials in a global buffer, a transient the size of a hidden-sized tensor (H200,
+    T=16384: a 128 MiB block alive at FusedMLP's Triton peak beside pre and h, allocated on the
+    line of that sum; tests.memory --snapshot,
+    benchmarks/results/h200-2026-12-01-cf48a7a-memory-snapshot-triton.log)."""
+    t = t.contiguous()
+    return _dz_pass(t, None, t, 0, True, False)
+
+
+def _dz_pass(dy, saved, dz, act_id, want_dbias, store_dz):
+    """Launches the dz pass; the fp32 column sums of dz (None unless want_dbias)."""
+    M, N = dy.shape
     if M == 0 or N == 0:
-        return dz, (torch.zeros(N, dtype=torch.float32, device=dy.device) if want_dbias else None)
+        return torch.zeros(N, dtype=torch.float32, device=dy.device) if want_dbias else None
     # 64 x 128 tiles, 16 rows at a time: 16-byte vectors along N, 16 elements per thread, and
     # enough rows per program to keep the dbias partials small
     BLOCK_M, BLOCK_N, SUB_M = (32, 32, 16) if _INTERPRET else (64, 128, 16)
     grid = (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))
     part = torch.empty((grid[0], N), dtype=torch.float32, device=dy.device) if want_dbias else dz
     with on_device(dy):
-        launch(_linear_act_dz_kernel, grid, dy, saved, dz, part, M, N, ACT=act_id, WANT_PARTIAL=want_dbias,
-               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SUB_M=SUB_M, num_warps=4)
-    return dz, (part.sum(0) if want_dbias else None)
+        launch(_linear_act_dz_kernel, grid, dy, dy if saved is None else saved, dz, part, M, N, ACT=act_id,
+               WANT_PARTIAL=want_dbias, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SUB_M=SUB_M, STORE_DZ=store_dz,
+               num_warps=4)
+    return part.sum(0) if want_dbias else None
 
 
 @triton.jit
