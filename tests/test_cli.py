@@ -239,6 +239,11 @@ def test_reports_name_the_best_public_provider():
                         norm("quack", 4.0, provider_version="0.6.5", param_dtype="float32")])
     assert ("layer_norm fwd bfloat16 N=1024: best 3.80 vs best public quack (fp32 params) 4.00 TB/s (0.95x) "
             ">= 1x: FALLS SHORT") in lines, lines
+    # a backend's called rate beside its kernels' rate from a CUDA graph, the verdict on the called one
+    row = {**norm("ampkernels-triton", 2.1, graph_TBps=3.65), "pass": "bwd"}
+    lines = bln.report([row])
+    assert ("layer_norm bwd bfloat16 N=1024: ampkernels-triton 2.10 TB/s >= 85% of 3.2 (2.72): FALLS SHORT "
+            "(its kernels from a CUDA graph: 3.65)") in lines, lines
 
     def lin(provider, value, **extra):
         return dict(op="linear_act", provider=provider, dtype="float16", shape="8192x1024x4096",
