@@ -288,6 +288,46 @@ def test_triton_interpret_residual_and_out_dtype(is_rms, residual_in_fp32):
 
 
 @needs_triton
+def test_triton_norm_bwd_keeps_its_launches_per_key(monkeypatch):
+    """norm_bwd runs its kept launches again only for a call that specializes as the kept one
+    did (shapes, dtypes, flags, pointer alignment); any other call launches anew. The launches
+    are faked: what is tested is the keying (the kernels run in the tests above and on the GPU)."""
+    _interp()
+    from ampkernels.triton import layer_norm as tln
+    launched = []
+
+    class FakeKept:
+        runs = 0
+
+        def run(self, *args):
+            self.runs += 1
+
+    def fake_launch(kernel, grid, *args, **kwargs):
+        launched.append(kernel)
+        return FakeKept()
+
+    monkeypatch.setattr(tln, "launch", fake_launch)
+    monkeypatch.setattr(tln, "_BWD_KEPT", {})
+
+    def launches(m=64, n=96, dtype=torch.float16, is_rms=False, offset=0, weight=True, dx_dtype=None):
+        x = torch.randn(m * n + offset, dtype=dtype)[offset:].view(m, n)  # offset 1: x is 2 bytes off
+        w = torch.randn(n, dtype=dtype) if weight else None
+        before = len(launched)
+        tln.norm_bwd(x.clone(), x, w, torch.ones(m), torch.ones(m), None, is_rms, weight, False,
+                     dx_dtype or dtype, None, None)
+        return len(launched) - before
+
+    assert launches() == 2  # the backward and the column sums, launched and kept
+    assert launches() == 0  # the same key: the kept launches ran
+    (kept,) = tln._BWD_KEPT.values()
+    assert kept[0].runs == kept[1].runs == 1
+    for change in (dict(m=65), dict(n=97), dict(dtype=torch.bfloat16), dict(is_rms=True), dict(offset=1),
+                   dict(weight=False), dict(dx_dtype=torch.float32)):
+        assert launches(**change) > 0, change
+        assert launches(**change) == 0, change
+
+
+@needs_triton
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_triton_interpret_looped_kernels(is_rms, monkeypatch):
     """Rows longer than the register tile: force the chunked forward and the looped backward on

@@ -167,6 +167,29 @@ def test_hooks_as_older_tritons_hold_them(fast_path, monkeypatch):
     assert len(k.slow_calls) == 2 and len(k.compiled.runs) == 1
 
 
+def test_kept_launch_runs_again_with_new_arguments(fast_path, monkeypatch):
+    k, x = _FakeKernel(), torch.empty(16, dtype=torch.float16)
+    kept = L.launch(k, (3,), x, 100, BLOCK=64, num_warps=4)  # the first call: Triton's path, then kept
+    assert isinstance(kept, L.Kept) and len(k.slow_calls) == 1 and not k.compiled.runs
+    kept.run(x[8:], 200)
+    (run,) = k.compiled.runs
+    assert run[:9] == (3, 1, 1, 1234, "fn", "meta", None, None, None)
+    assert run[9].data_ptr() == x[8:].data_ptr() and run[10:] == (200, 1e-5, 64, False)
+    assert isinstance(L.launch(k, (3,), x, 100, BLOCK=64, num_warps=4), L.Kept) and len(k.compiled.runs) == 2
+    monkeypatch.setattr(triton.knobs.runtime.launch_enter_hook, "calls", [print])  # a profiler's hook
+    kept.run(x, 100)
+    assert k.slow_calls[-1] == ((3,), (x, 100), {"BLOCK": 64, "num_warps": 4}) and len(k.compiled.runs) == 2
+
+
+def test_launch_returns_none_where_tritons_path_ran(fast_path, monkeypatch):
+    k, x = _FakeKernel(), torch.empty(16, dtype=torch.float16)
+    assert L.launch(k, lambda meta: (1,), x, 7, BLOCK=64) is None  # a grid function
+    assert L.launch(k, (1,), x, "s", BLOCK=64) is None  # an argument without a key
+    assert L.launch(k, (1,), x, 100, BLOCK=64, FLAG=x) is None  # a tensor keyword
+    monkeypatch.setattr(L, "_TRITON_PATH_ONLY", True)
+    assert L.launch(k, (1,), x, 100, BLOCK=64) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kept_kernel_is_the_one_triton_picks():

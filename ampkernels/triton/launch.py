@@ -15,6 +15,11 @@ whether it is 1, whether it is a multiple of 16 and which of i32/i64/u64 holds i
 descriptor its class, dtype, block shape, layout and padding; floats, bools and None by type;
 every keyword value (constexprs, num_warps, ...); the current device. Any other
 argument type, a grid function, launch hooks (profilers) or the interpreter take Triton's path.
+
+launch() returns the launch it kept (a Kept; None where Triton's path ran the call). A caller
+that can tell cheaply that its next call keys the same (same shapes, dtypes and flags; inputs
+16-byte aligned as before) runs Kept.run(*args) and skips the per-argument key: the Triton
+norm backward keeps its two launches per such key of its own.
 """
 import os
 
@@ -85,31 +90,55 @@ def _params(kernel):
     return p
 
 
+def _hooked():
+    """Launch hooks (profilers) are set: a HookChain's calls since Triton 3.5, before that a callable."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+
+
+class Kept:
+    """One specialization's launch: run(*args) launches its compiled kernel on its grid with new
+    positional arguments (keywords as kept). Only for arguments whose launch_key is the kept
+    call's; with launch hooks set (or _TRITON_PATH_ONLY, for the probes) it takes Triton's path."""
+    __slots__ = ("kernel", "grid", "kwargs", "compiled", "device", "grid3", "tail")
+
+    def __init__(self, kernel, grid, kwargs, compiled, device, n_args):
+        self.kernel, self.grid, self.kwargs, self.compiled, self.device = kernel, grid, kwargs, compiled, device
+        self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        names, defaults = _params(kernel)  # the parameters after the positional ones, in signature order
+        self.tail = tuple(kwargs.get(name, default) for name, default in zip(names[n_args:], defaults[n_args:]))
+
+    def run(self, *args):
+        if _TRITON_PATH_ONLY or _hooked():
+            self.kernel[self.grid](*args, **self.kwargs)
+            return
+        c, (g0, g1, g2) = self.compiled, self.grid3
+        c.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device), c.function, c.packed_metadata, None, None,
+              None, *args, *self.tail)
+
+
 def launch(kernel, grid, *args, **kwargs):
     """kernel[grid](*args, **kwargs) for a @triton.jit or @gluon.jit kernel (not an autotuned one)
-    and a tuple grid; constexprs and launch options as keywords, the other parameters positional."""
-    # launch hooks (profilers): a HookChain since Triton 3.5, before that a callable or None
-    enter, leave = (None, None) if _TRITON_PATH_ONLY else (knobs.runtime.launch_enter_hook,
-                                                           knobs.runtime.launch_exit_hook)
-    if _TRITON_PATH_ONLY or getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+    and a tuple grid; constexprs and launch options as keywords, the other parameters positional.
+    Returns the Kept launch that ran it, or None where Triton's path did."""
+    if _TRITON_PATH_ONLY or _hooked():
         kernel[grid](*args, **kwargs)
-        return
+        return None
     device = torch.cuda.current_device()
     try:
         key = launch_key(kernel, device, args, kwargs)
     except _Unkeyed:
         kernel[grid](*args, **kwargs)
-        return
+        return None
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
         # keyed by value only: a keyword tensor (keyed by identity) would add a key a call
-        if isinstance(grid, tuple) and all(v is None or isinstance(v, (int, float, str)) for v in kwargs.values()):
-            _COMPILED[key] = compiled
-        return
-    names, defaults = _params(kernel)
-    values = list(args)
-    values.extend(kwargs.get(name, default) for name, default in zip(names[len(args):], defaults[len(args):]))
-    grid = tuple(grid) + (1, 1)
-    compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *values)
+        if not (isinstance(grid, tuple) and all(v is None or isinstance(v, (int, float, str))
+                                                for v in kwargs.values())):
+            return None
+        _COMPILED[key] = compiled
+        return Kept(kernel, grid, kwargs, compiled, device, len(args))
+    kept = Kept(kernel, grid, kwargs, compiled, device, len(args))
+    kept.run(*args)
+    return kept
