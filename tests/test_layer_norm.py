@@ -325,6 +325,10 @@ def test_triton_norm_bwd_keeps_its_launches_per_key(monkeypatch):
                    dict(weight=False), dict(dx_dtype=torch.float32)):
         assert launches(**change) > 0, change
         assert launches(**change) == 0, change
+    monkeypatch.setattr(tln, "_MAX_KEPT", 3)  # bounded: a full cache starts over
+    for m in range(10, 16):
+        launches(m=m)
+        assert len(tln._BWD_KEPT) <= 3
 
 
 @needs_triton

@@ -666,6 +666,7 @@ _BWD_CONFIGS = {}  # norm_bwd's launch key -> the config it launches (see norm_b
 # launch()'s per-argument key and its lookup (22 us of a call's 89 us host time in the H200
 # probe's profile, benchmarks/results/h200-2026-12-01-820e9f8-norm-bwd-probe.log)
 _BWD_KEPT = {}
+_MAX_KEPT = 1024
 
 
 def _smaller_bwd_config(cfg, x, dy, weight):
@@ -719,5 +720,7 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
             col_sum = launch(_col_sum_kernel, (cdiv(N, 128), partials.shape[0]), *sum_args, BLOCK_R=16, BLOCK_C=128,
                              num_warps=4)
     if bwd is not None and (col_sum is not None or not sum_args):
+        if len(_BWD_KEPT) >= _MAX_KEPT:  # row counts vary (sequence lengths): keep the cache bounded
+            _BWD_KEPT.clear()
         _BWD_KEPT[kept_key] = (bwd, col_sum)
 
