@@ -20,7 +20,7 @@ from ampkernels import _extension, reference
 from ampkernels.triton import layer_norm as tln
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tests import test_layer_norm as tests  # noqa: E402  (the test's allowance)
+from tests import test_layer_norm as tests  # the test's allowance
 
 
 def main():

@@ -9,8 +9,8 @@ import zlib
 import torch
 
 sys.path.insert(0, ".")
-import tests.conftest  # noqa: F401,E402  (seeding as the tests do; loads the extension)
-from tests import test_layer_norm as t  # noqa: E402
+import tests.conftest  # noqa: F401  (seeding as the tests do; loads the extension)
+from tests import test_layer_norm as t
 
 salts = int(sys.argv[1]) if len(sys.argv) > 1 else 100
 for n in (768, 1000, 1024, 1536):

@@ -321,10 +321,18 @@ def test_triton_norm_bwd_keeps_its_launches_per_key(monkeypatch):
     assert launches() == 0  # the same key: the kept launches ran
     (kept,) = tln._BWD_KEPT.values()
     assert kept[0].runs == kept[1].runs == 1
-    for change in (dict(m=65), dict(n=97), dict(dtype=torch.bfloat16), dict(is_rms=True), dict(offset=1),
-                   dict(weight=False), dict(dx_dtype=torch.float32)):
+    for change in ({"m": 65}, {"n": 97}, {"dtype": torch.bfloat16}, {"is_rms": True}, {"offset": 1},
+                   {"weight": False}, {"dx_dtype": torch.float32}):
         assert launches(**change) > 0, change
         assert launches(**change) == 0, change
+    # without norm_bwd's key (scripts/norm_bwd_sweep.py calls _bwd_launch so): launched, never kept
+    kept_before, before = dict(tln._BWD_KEPT), len(launched)
+    x = torch.randn(64, 96, dtype=torch.float16)
+    outs = (torch.empty_like(x), x.new_empty(0), torch.empty(96, dtype=torch.float16), torch.empty(96, dtype=torch.float16))
+    for _ in range(2):
+        tln._bwd_launch(tln._bwd_config(96), x.clone(), x, x[0].clone(), torch.ones(64), torch.ones(64), None, False,
+                        True, True, *outs)
+    assert len(launched) - before == 4 and tln._BWD_KEPT == kept_before
     monkeypatch.setattr(tln, "_MAX_KEPT", 3)  # bounded: a full cache starts over
     for m in range(10, 16):
         launches(m=m)

@@ -100,7 +100,7 @@ class Kept:
     """One specialization's launch: run(*args) launches its compiled kernel on its grid with new
     positional arguments (keywords as kept). Only for arguments whose launch_key is the kept
     call's; with launch hooks set (or _TRITON_PATH_ONLY, for the probes) it takes Triton's path."""
-    __slots__ = ("kernel", "grid", "kwargs", "compiled", "device", "grid3", "tail")
+    __slots__ = ("compiled", "device", "grid", "grid3", "kernel", "kwargs", "tail")
 
     def __init__(self, kernel, grid, kwargs, compiled, device, n_args):
         self.kernel, self.grid, self.kwargs, self.compiled, self.device = kernel, grid, kwargs, compiled, device

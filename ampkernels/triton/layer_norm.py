@@ -682,7 +682,9 @@ def _smaller_bwd_config(cfg, x, dy, weight):
 
 
 def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx, dres, dw, db,
-                kept_key):
+                kept_key=None):
+    """The backward's launches for cfg; kept_key (norm_bwd's): keep them and rerun the kept ones
+    for calls of the same key (None, as the sweep calls it: launch() each time)."""
     M, N = x.shape
     block, rows, warps, per_sm, looped, stages = cfg
     progs = min(cdiv(M, rows), _sms(x.device) * per_sm)
@@ -699,8 +701,10 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
     sum_args = ()
     if partials.shape[0]:
         sum_args = (partials, dw if want_dweight else db, db if want_dbias else dw, progs, N)
-    kept_key = (kept_key, cfg, tuple(a.data_ptr() % 16 == 0 for a in args + sum_args if isinstance(a, torch.Tensor)))
-    kept = _BWD_KEPT.get(kept_key)
+    if kept_key is not None:
+        kept_key = (kept_key, cfg, tuple(a.data_ptr() % 16 == 0 for a in args + sum_args
+                                         if isinstance(a, torch.Tensor)))
+    kept = _BWD_KEPT.get(kept_key) if kept_key is not None else None
     with on_device(x):
         if kept is not None:
             kept[0].run(*args)
@@ -719,7 +723,7 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
         if sum_args:
             col_sum = launch(_col_sum_kernel, (cdiv(N, 128), partials.shape[0]), *sum_args, BLOCK_R=16, BLOCK_C=128,
                              num_warps=4)
-    if bwd is not None and (col_sum is not None or not sum_args):
+    if kept_key is not None and bwd is not None and (col_sum is not None or not sum_args):
         if len(_BWD_KEPT) >= _MAX_KEPT:  # row counts vary (sequence lengths): keep the cache bounded
             _BWD_KEPT.clear()
         _BWD_KEPT[kept_key] = (bwd, col_sum)
