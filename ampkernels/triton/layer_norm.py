@@ -422,6 +422,10 @@ def _smem_per_program(device):
 #   again after the row sums: 0-4 bytes of spill at 16 warps for bf16 or fp32 params, LN or RMS
 #   (24-64 at 32 warps, the sweep's alternative). Its 2-stage buffers (x, dy, weight, second
 #   x/dy) take 160 KB of shared memory (192 KB with fp32 params): 3 stages do not fit.
+#   At 32 warps LayerNorm's two (BLOCK_N,) sums take 32 of a thread's 64 registers: walking
+#   the row in halves or quarters, each with sums of its own, still spilled 36-40 bytes at 32
+#   warps (ptxas for sm_90 with Triton 3.6; not timed on a GPU); without the dbias sums, 61
+#   registers and no spill. RMSNorm (one sum) fits, hence its 32-warp launch in _bwd_config.
 # AMPKERNELS_TRITON_NORM_BWD_STAGES=1 gives back the launch before this change (that table, no
 # pipelining, looped kernel at N = 16384) for A/B runs; =2 or =3 forces the stage count. (The
 # kernel body under =1 keeps this change's (BLOCK_N,) sums and unmasked power-of-two rows: same
