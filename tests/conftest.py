@@ -30,11 +30,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def input_seed(nodeid, salt=""):
+    """A test's seed: crc32 of its node id and the salt, not hash(), which PYTHONHASHSEED salts
+    per process (so a GPU failure at 029995a came and went between runs)."""
+    return zlib.crc32(f"{nodeid}{salt}".encode())
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    # fresh random inputs per test, reproducible from the test's name: crc32, not hash(), which
-    # PYTHONHASHSEED salts per process (so a GPU failure at 029995a came and went between runs).
-    # AMPKERNELS_TEST_SEED=k draws other inputs, reproducibly: a sweep over k is how an input-
-    # dependent failure is caught again.
-    salt = os.environ.get("AMPKERNELS_TEST_SEED", "")
-    torch.manual_seed(zlib.crc32(f"{request.node.nodeid}{salt}".encode()))
+    # fresh random inputs per test, reproducible from the test's name. AMPKERNELS_TEST_SEED=k
+    # draws other inputs, reproducibly: a sweep over k (scripts/ln_seed_sweep.py) is how an
+    # input-dependent failure is caught again.
+    torch.manual_seed(input_seed(request.node.nodeid, os.environ.get("AMPKERNELS_TEST_SEED", "")))
