@@ -18,10 +18,13 @@ Candidates, pruned as pointless on an H200 (sm_90 ptxas, Triton 3.8):
           when 4-32 elements a thread, 8-32 warps resident per SM, the programs fit one SM's
           registers (estimated 32 + 4 per element) and shared memory, and they keep >= 16 KB
           of x/dy loads in flight per SM.
-At N = 16384: 56 configs per case, 448 in all; about 3 minutes with compiles; --budget-s caps it.
+  gluon:  the Gluon backward (ampkernels/triton/layer_norm_gluon.py; off by default in the
+          library, tln.SMEM_BWD) where this Triton has Gluon and the call is one it takes.
+At N = 16384: 57 configs per case, 456 in all; about 3 minutes with compiles; --budget-s caps it.
+--gluon-ab times only the library's choice and the Gluon backward (the A/B that decides its default).
 
     GPU_TESTS=none GPU_BENCH=none GPU_PROBE=scripts/norm_bwd_sweep.py PROBE_ARGS="16384" bash scripts/gpu_run.sh
-    python scripts/norm_bwd_sweep.py [N] [--out DIR] [--budget-s 230]
+    python scripts/norm_bwd_sweep.py [N] [--out DIR] [--budget-s 230] [--gluon-ab]
     python scripts/norm_bwd_sweep.py --cpu-smoke   # TRITON_INTERPRET=1, CPU, N = 64, fp16, no timing
 """
 import argparse
@@ -60,7 +63,12 @@ def candidates(tln, n, xdy, smem, smoke):
     return kept, len(everything) - len(kept)
 
 
+GLUON = "gluon"  # the candidate that runs the library's RELOAD config with tln.SMEM_BWD on
+
+
 def label(cfg):
+    if cfg == GLUON:
+        return "gluon (layer_norm_gluon.py)"
     block, rows, warps, per_sm, looped, stages = cfg
     return f"{'looped' if looped else 'reg'} {block}x{rows} w{warps} p{per_sm} s{stages}"
 
@@ -91,7 +99,18 @@ def run_case(tln, op, dtype, pdtype, n, m, dev, cands, case_end, smoke):
                 torch.full((0 if is_rms else n,), math.nan, device=dev, dtype=pdtype))
 
         def launch(cfg=cfg, outs=outs):
-            tln._bwd_launch(cfg, dy, x, w, mean, rstd, None, is_rms, True, not is_rms, *outs)
+            if cfg != GLUON:
+                tln._bwd_launch(cfg, dy, x, w, mean, rstd, None, is_rms, True, not is_rms, *outs)
+                return
+            if not tln._gluon.available():
+                raise RuntimeError("this Triton has no Gluon")
+            tln.SMEM_BWD = True
+            try:
+                if not tln._smem_kernel_takes(x, dy, None, x.new_empty(0)):
+                    raise RuntimeError("the Gluon backward does not take this call")
+                tln._bwd_launch(default, dy, x, w, mean, rstd, None, is_rms, True, not is_rms, *outs)
+            finally:
+                tln.SMEM_BWD = False
         try:
             launch()
             checks = [close(outs[0], ref[0], 1e-2)] + [close(outs[k], ref[k], tol) for k in ((2,) if is_rms else (2, 3))]
@@ -114,6 +133,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-s", type=float, default=230, help="seconds for the whole sweep, shared over the cases")
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--gluon-ab", action="store_true", help="only the library's choice and the Gluon backward")
     args = ap.parse_args()
     from ampkernels.triton import layer_norm as tln  # after TRITON_INTERPRET is set
     smoke = args.cpu_smoke
@@ -125,6 +145,8 @@ def main():
     cases = [(op, dt, pd) for op in ("layer_norm", "rms_norm") for dt in ((torch.float16,) if smoke else
              (torch.bfloat16, torch.float16)) for pd in (dt, torch.float32)]
     cands, pruned = candidates(tln, n, 4, tln._smem_per_program(dev), smoke)
+    if not smoke:  # (no Gluon interpreter)
+        cands, pruned = ([GLUON], pruned + len(cands)) if args.gluon_ab else (cands + [GLUON], pruned)
     env = environment()
     results, tried, failed, skipped, t_end = {}, 0, 0, 0, time.time() + args.budget_s
     with probe_log(os.path.join(args.out, "norm-bwd-sweep.log")) as say:

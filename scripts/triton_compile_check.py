@@ -240,6 +240,18 @@ def launch_everything(max_shared):
         for n in (8192, 16384):
             x, w = empty(64, n, dtype=dtype), empty(n, dtype=dtype)
             tln.norm_fwd(x, w, w, None, 1e-5, False, None, False)
+        # the Gluon backward (off by default, tln.SMEM_BWD): a whole row and a partial one; LayerNorm
+        # with fp32 params and with none, RMSNorm with 16-bit params
+        if tln._gluon.available():
+            tln.SMEM_BWD = True
+            try:
+                for n in (16384, 12296):
+                    x, st = empty(64, n, dtype=dtype), empty(64, dtype=torch.float32)
+                    for is_rms, w in ((False, empty(n, dtype=torch.float32)), (False, None), (True, empty(n, dtype=dtype))):
+                        tln.norm_bwd(x, x, w, st, st, None, is_rms, w is not None, not is_rms and w is not None,
+                                     dtype, None, None if w is None else w.dtype)
+            finally:
+                tln.SMEM_BWD = False
 
 
 def main(argv=None):

@@ -439,6 +439,39 @@ def test_triton_interpret_bwd_real_n(is_rms):
         _check(is_rms, x, w, b, "triton")
 
 
+@needs_triton
+def test_gluon_bwd_takes_only_what_it_can(monkeypatch):
+    """The Gluon backward's gate: off unless SMEM_BWD; 16-bit x and dy, rows of 8200-16384
+    elements, a multiple of 8, starting 16-byte aligned, no residual gradients, the shared memory
+    for its ring (an H200 block has it, an A100's not); never on CPU tensors (no interpreter)."""
+    from ampkernels.triton import layer_norm as tln
+    from ampkernels.triton import layer_norm_gluon as gluon
+    if not gluon.available():
+        pytest.skip("this Triton has no Gluon")
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")
+    none = meta(0)
+    x = meta(4, 16384)
+    for ok, xx, dy, dro, dres in ((True, x, x, None, none), (True, meta(4, 8200, dtype=torch.float16), None, None, none),
+                                  (False, meta(4, 8192), None, None, none), (False, meta(4, 16392), None, None, none),
+                                  (False, meta(4, 12290), None, None, none),
+                                  (False, meta(4, 16384, dtype=torch.float32), None, None, none),
+                                  (False, x, meta(4, 16384, dtype=torch.float32), None, none),
+                                  (False, x, x, x, none), (False, x, x, None, x)):
+        assert gluon.eligible(xx, xx if dy is None else dy, dro, dres) == ok, (xx.shape, xx.dtype, ok)
+    misaligned = torch.empty(4 * 16384 + 1, dtype=torch.bfloat16)[1:].view(4, 16384)
+    assert not gluon.eligible(misaligned, misaligned, None, none)
+
+    monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)  # an H100/H200 block
+    assert not tln._smem_kernel_takes(x, x, None, none)  # off by default
+    monkeypatch.setattr(tln, "SMEM_BWD", True)
+    assert tln._smem_kernel_takes(x, x, None, none)
+    monkeypatch.setattr(tln, "_smem_per_program", lambda device: 166912)  # an A100 block
+    assert not tln._smem_kernel_takes(x, x, None, none)
+    cpu = torch.empty(4, 16384, dtype=torch.bfloat16)
+    monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)
+    assert not tln._smem_kernel_takes(cpu, cpu, None, cpu.new_empty(0))
+
+
 def test_triton_bwd_config_stages_and_fit(monkeypatch):
     """Launch-config choice (pure Python): the env switch back to the previous launch, and the
     shared-memory fit that lowers num_stages or takes the looped kernel."""
@@ -996,3 +1029,72 @@ def test_gpu_auto_per_pass_backends(n, is_rms):
     x, w, b = _inputs(_rows(n), n, torch.bfloat16, "cuda", torch.float32)
     _check(is_rms, x, w, b, None, residual=randn(*x.shape, device="cuda"), residual_in_fp32=True)
     _check(is_rms, x, w, b, None)
+
+
+def _spy_launches(monkeypatch, tln):
+    """The kernels tln launches through launch() (a kept launch reruns without it)."""
+    ran, real = [], tln.launch
+
+    def spy(kernel, *args, **kwargs):
+        ran.append(kernel)
+        return real(kernel, *args, **kwargs)
+    monkeypatch.setattr(tln, "launch", spy)
+    return ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [16384, 12296, 8200])
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_gpu_gluon_bwd(n, is_rms, monkeypatch):
+    """The Gluon backward (off by default: SMEM_BWD) against float64: both 16-bit dtypes, 16-bit
+    and fp32 params and none, one row, rows not a multiple of the programs, an all-zero row, a
+    large mean, a 3-D input; its dweight/dbias bitwise repeatable."""
+    from ampkernels.triton import layer_norm as tln
+    if not tln._gluon.available():
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(tln, "SMEM_BWD", True)
+    ran = _spy_launches(monkeypatch, tln)
+    for dtype, pdtype, m in ((torch.bfloat16, torch.float32, 300), (torch.float16, torch.float16, 133),
+                             (torch.bfloat16, torch.bfloat16, 1)):
+        x, w, b = _inputs(m, n, dtype, "cuda", pdtype)
+        x[m // 2] = 0
+        _check(is_rms, x, w, b, "triton")
+    x, _, _ = _inputs(64, n, torch.float16, "cuda", mean=1000.0)
+    _check(is_rms, x, None, None, "triton")
+    x, w, b = _inputs(70, n, torch.bfloat16, "cuda", torch.float32, lead=(3,))
+    _check(is_rms, x, w, b, "triton")
+    assert tln._gluon.norm_bwd_smem_kernel in ran, "the Gluon backward did not run"
+
+    dy = randn(*x.shape, dtype=torch.bfloat16, device="cuda")
+    grads = []
+    for _ in range(2):
+        ww, bb = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+        _norm(is_rms, x, n, ww, bb, 1e-5, backend="triton").backward(dy)
+        grads.append((ww.grad, bb.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    if not is_rms:
+        assert torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_bwd_64bit_indexing(monkeypatch):
+    """The Gluon backward over a tensor of more than 2^31 elements: the last rows' dx right."""
+    from ampkernels.triton import layer_norm as tln
+    if not tln._gluon.available():
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(tln, "SMEM_BWD", True)
+    ran = _spy_launches(monkeypatch, tln)
+    n = 16384
+    m = 2**31 // n + 3
+    x = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    w = randn(n, device="cuda", scale=0.5, offset=1.0)
+    _, _, mean, rstd = tln.norm_fwd(x, w, None, None, 1e-5, False, None, False)
+    dx = tln.norm_bwd(dy, x, w, mean, rstd, None, False, True, False, torch.bfloat16, None, torch.float32)[0]
+    assert tln._gluon.norm_bwd_smem_kernel in ran, "the Gluon backward did not run"
+    tail = slice(m - 5, m)
+    x6 = x[tail].double().requires_grad_()
+    F.layer_norm(x6, (n,), w.double()).backward(dy[tail].double())
+    assert_rel_close(dx[tail], x6.grad, torch.bfloat16, factor=GRAD_FACTOR)
+    del x, dy, dx
+    torch.cuda.empty_cache()

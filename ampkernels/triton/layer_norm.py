@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import cdiv, device_index, device_properties, on_device
+from . import layer_norm_gluon as _gluon
 from .launch import launch
 
 _MAX_FWD_BLOCK = 16384  # elements of a row held in registers by the forward
@@ -426,6 +427,8 @@ def _smem_per_program(device):
 #   the row in halves or quarters, each with sums of its own, still spilled 36-40 bytes at 32
 #   warps (ptxas for sm_90 with Triton 3.6; not timed on a GPU); without the dbias sums, 61
 #   registers and no spill. RMSNorm (one sum) fits, hence its 32-warp launch in _bwd_config.
+#   layer_norm_gluon.py keeps the row in shared memory instead (its own cp.async ring, the
+#   weight there too) and only the sums in registers; off by default until measured (SMEM_BWD).
 # AMPKERNELS_TRITON_NORM_BWD_STAGES=1 gives back the launch before this change (that table, no
 # pipelining, looped kernel at N = 16384) for A/B runs; =2 or =3 forces the stage count. (The
 # kernel body under =1 keeps this change's (BLOCK_N,) sums and unmasked power-of-two rows: same
@@ -673,6 +676,22 @@ _BWD_KEPT = {}
 _MAX_KEPT = 1024
 
 
+# The Gluon backward (layer_norm_gluon.py) for the rows RELOAD takes: off by default until it is
+# measured against RELOAD on the H200; AMPKERNELS_TRITON_NORM_BWD_GLUON=1 turns it on.
+SMEM_BWD = os.environ.get("AMPKERNELS_TRITON_NORM_BWD_GLUON", "0") == "1"
+
+
+def _smem_kernel_takes(x, dy, dresidual_out, dres):
+    """Whether the Gluon backward runs this RELOAD call: on, Gluon present, a GPU with cp.async
+    (sm_80+) and the shared memory for its ring, and a call it takes (_gluon.eligible)."""
+    if not SMEM_BWD or not _gluon.available() or x.device.type == "cpu":  # no Gluon interpreter
+        return False
+    if x.device.type == "cuda" and device_properties(device_index(x.device)).major < 8:
+        return False
+    need = _gluon.smem_bytes(x.element_size(), dy.element_size()) + _SMEM_MARGIN
+    return need <= _smem_per_program(x.device) and _gluon.eligible(x, dy, dresidual_out, dres)
+
+
 def _smaller_bwd_config(cfg, x, dy, weight):
     """One step down after a launch refused for shared memory: a stage fewer (RELOAD keeps 2),
     then the looped kernel at the stages that fit; None when nothing is smaller."""
@@ -691,6 +710,7 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
     for calls of the same key (None, as the sweep calls it: launch() each time)."""
     M, N = x.shape
     block, rows, warps, per_sm, looped, stages = cfg
+    smem_kernel = not looped and block > _MAX_BWD_BLOCK and _smem_kernel_takes(x, dy, dresidual_out, dres)
     progs = min(cdiv(M, rows), _sms(x.device) * per_sm)
     rows_per_prog = cdiv(cdiv(M, progs), rows) * rows
     progs = cdiv(M, rows_per_prog)
@@ -699,14 +719,18 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
     partials = torch.empty((want_dweight + want_dbias, progs, N), dtype=torch.float32, device=x.device)
     dw_p = partials[0] if want_dweight else dummy
     db_p = partials[-1] if want_dbias else dummy
-    args = (dy, x, dummy if weight is None else weight, rstd if is_rms else mean, rstd,
-            dummy if dresidual_out is None else dresidual_out, dx, dres if dres.numel() else dummy,
-            dw_p, db_p, M, N, rows_per_prog)
+    if smem_kernel:
+        args = (dy, x, dummy if weight is None else weight, rstd if is_rms else mean, rstd, dx, dw_p, db_p, M,
+                rows_per_prog)
+    else:
+        args = (dy, x, dummy if weight is None else weight, rstd if is_rms else mean, rstd,
+                dummy if dresidual_out is None else dresidual_out, dx, dres if dres.numel() else dummy,
+                dw_p, db_p, M, N, rows_per_prog)
     sum_args = ()
     if partials.shape[0]:
         sum_args = (partials, dw if want_dweight else db, db if want_dbias else dw, progs, N)
     if kept_key is not None:
-        kept_key = (kept_key, cfg, tuple(a.data_ptr() % 16 == 0 for a in args + sum_args
+        kept_key = (kept_key, cfg, smem_kernel, tuple(a.data_ptr() % 16 == 0 for a in args + sum_args
                                          if isinstance(a, torch.Tensor)))
     kept = _BWD_KEPT.get(kept_key) if kept_key is not None else None
     with on_device(x):
@@ -717,7 +741,10 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
             return
         flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DRO=dresidual_out is not None,
                      HAS_DRES=dres.numel() > 0, WANT_DW=want_dweight, WANT_DB=want_dbias)
-        if looped:
+        if smem_kernel:
+            bwd = launch(_gluon.norm_bwd_smem_kernel, (progs,), *args, N=N, IS_RMS=is_rms, HAS_W=weight is not None,
+                         WANT_DW=want_dweight, WANT_DB=want_dbias, STAGES=_gluon.STAGES, num_warps=_gluon.NUM_WARPS)
+        elif looped:
             bwd = launch(_norm_bwd_looped_kernel, (progs,), *args, **flags, BLOCK_N=block, STAGES=stages,
                          num_warps=warps)
         else:

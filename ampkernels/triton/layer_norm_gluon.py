@@ -1,0 +1,196 @@
+"""LayerNorm / RMSNorm backward for rows of 8200-16384 elements, written in Gluon.
+
+Why: the Triton RELOAD kernel (layer_norm.py) cannot hold a LayerNorm row of 16384 elements and
+the dweight/dbias sums in registers, so it reads x and dy twice through Triton's pipeliner; it
+ran 2.56-2.65 TB/s on the H200 against 3.24-3.27 for the CUDA backend's pipelined kernel
+(benchmarks/results/h200-2026-12-01-fe3f7e8-norms-report.txt). Gluon lets this kernel do what
+that CUDA kernel does: the rows' x and dy go into a 2-stage shared-memory ring by cp.async (the
+next row's copies are in flight while this row is reduced), the fp32 weight is kept in shared
+memory, and each pass reads the row from shared memory, so only the dweight/dbias sums stay in
+registers for the whole walk.
+
+A program per SM (16 warps) owns a contiguous chunk of rows. A thread owns the same 32 columns
+of every row: 4 chunks of 8 contiguous elements (16 bytes of a 16-bit row). The chunks are
+walked one at a time with sums of their own (ptxas for sm_90, bf16: the whole row at once
+spilled 108 bytes a thread with Triton 3.6, chunk by chunk 0-4; 92 with Triton 3.8). Per row: pass 1 adds dy * w * xhat and
+dy * w (one two-value reduction over the block) and the dweight/dbias sums; pass 2 reads x, dy
+and w again from shared memory and writes dx. The partial rows are summed by layer_norm.py's
+_col_sum_kernel, in a fixed order: bitwise repeatable, as the other backward kernels.
+
+Contract: layer_norm.norm_bwd's, for 16-bit x and dy whose rows start 16-byte aligned (N a
+multiple of 8), no residual gradients. Gluon has no interpreter: scripts/triton_compile_check.py
+compiles the kernel for sm_90 on the CPU and tests/test_layer_norm.py tests it on the GPU.
+"""
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+except ImportError:  # a Triton without Gluon: the Triton kernels only
+    gluon = None
+
+BLOCK_N = 16384  # columns a program's layout covers: rows of up to this many elements
+MIN_N = 8200     # shorter rows fit in registers (layer_norm.py's register kernel)
+NUM_WARPS = 16   # 32 columns a thread: the dweight/dbias sums take 64 of its 128 registers
+STAGES = 2       # rows in the ring: the one being reduced and the next (in flight)
+
+
+def available():
+    return gluon is not None
+
+
+def smem_bytes(x_size, dy_size):
+    """Shared memory the kernel allocates: the ring of x and dy rows and the fp32 weight (the
+    reduction's scratch is a few hundred bytes more)."""
+    return STAGES * BLOCK_N * (x_size + dy_size) + BLOCK_N * 4
+
+
+def eligible(x, dy, dresidual_out, dres):
+    """The calls this kernel takes: 16-bit x and dy, rows of MIN_N..BLOCK_N elements starting
+    16-byte aligned, no residual gradients (layer_norm.py's kernels take those)."""
+    n = x.shape[1]
+    return (MIN_N <= n <= BLOCK_N and n % 8 == 0 and x.element_size() == 2 and dy.element_size() == 2
+            and x.data_ptr() % 16 == 0 and dy.data_ptr() % 16 == 0 and dresidual_out is None and not dres.numel())
+
+
+if gluon is not None:
+    _BLOCK_N = gl.constexpr(BLOCK_N)
+    _CHUNKS = gl.constexpr(4)  # 16-byte chunks of a thread per row: BLOCK_N / (8 * 32 * NUM_WARPS)
+
+    @gluon.jit
+    def _add_pair(a0, a1, b0, b1):
+        return a0 + b0, a1 + b1
+
+    @gluon.jit
+    def _issue_row(X, DY, x_buf, dy_buf, slot, row, N: gl.constexpr, row_cols, MASKED: gl.constexpr):
+        """cp.async of row `row` of x and dy into ring slot `slot`, one commit group. Whole rows,
+        not chunks: the compiler puts a barrier between any two copies into one buffer."""
+        if MASKED:  # masked-off 16-byte chunks are filled with zeros
+            async_copy.async_copy_global_to_shared(x_buf.index(slot), X + row * N + row_cols, mask=row_cols < N)
+            async_copy.async_copy_global_to_shared(dy_buf.index(slot), DY + row * N + row_cols, mask=row_cols < N)
+        else:
+            async_copy.async_copy_global_to_shared(x_buf.index(slot), X + row * N + row_cols)
+            async_copy.async_copy_global_to_shared(dy_buf.index(slot), DY + row * N + row_cols)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _chunk(x_buf, dy_buf, w_buf, slot, k: gl.constexpr, mean, rstd, IS_RMS: gl.constexpr, HAS_W: gl.constexpr,
+               layout: gl.constexpr):
+        """Chunk k of the row in ring slot `slot`: (dy, xhat, g = dy * weight), fp32."""
+        CH: gl.constexpr = layout.size_per_thread[0] * 32 * layout.warps_per_cta[0]
+        x = x_buf.index(slot).slice(k * CH, CH).load(layout).to(gl.float32)
+        dy = dy_buf.index(slot).slice(k * CH, CH).load(layout).to(gl.float32)
+        if IS_RMS:
+            xhat = x * rstd
+        else:
+            xhat = (x - mean) * rstd
+        g = dy
+        if HAS_W:
+            g = dy * w_buf.slice(k * CH, CH).load(layout)
+        return dy, xhat, g
+
+    @gluon.jit
+    def _sums(x_buf, dy_buf, w_buf, slot, k: gl.constexpr, mean, rstd, t1, t2, dw, db, IS_RMS: gl.constexpr,
+              HAS_W: gl.constexpr, WANT_DW: gl.constexpr, WANT_DB: gl.constexpr, layout: gl.constexpr):
+        """Pass 1 over chunk k: the row sums' per-thread terms t1 (g * xhat), t2 (g), and the
+        chunk's dweight/dbias sums."""
+        dy, xhat, g = _chunk(x_buf, dy_buf, w_buf, slot, k, mean, rstd, IS_RMS, HAS_W, layout)
+        t1 += g * xhat
+        t2 += g
+        if WANT_DW:
+            dw += dy * xhat
+        if WANT_DB:
+            db += dy
+        return t1, t2, dw, db
+
+    @gluon.jit
+    def _dx(x_buf, dy_buf, w_buf, slot, k: gl.constexpr, mean, rstd, c1, c2, DX_ROW, cols, N: gl.constexpr,
+            IS_RMS: gl.constexpr, HAS_W: gl.constexpr, MASKED: gl.constexpr, layout: gl.constexpr):
+        """Pass 2 over chunk k: dx = (g - xhat * c1 - c2) * rstd, stored."""
+        CH: gl.constexpr = layout.size_per_thread[0] * 32 * layout.warps_per_cta[0]
+        _, xhat, g = _chunk(x_buf, dy_buf, w_buf, slot, k, mean, rstd, IS_RMS, HAS_W, layout)
+        dx = ((g - xhat * c1 - c2) * rstd).to(DX_ROW.dtype.element_ty)
+        if MASKED:
+            gl.store(DX_ROW + k * CH + cols, dx, mask=cols + k * CH < N)
+        else:
+            gl.store(DX_ROW + k * CH + cols, dx)
+
+    @gluon.jit
+    def _store_partial(P, chunks: gl.constexpr, cols, N: gl.constexpr):
+        """A program's partial row from its 4 chunk sums (a tuple)."""
+        CH: gl.constexpr = cols.shape[0]
+        for k in gl.static_range(_CHUNKS):
+            gl.store(P + k * CH + cols, chunks[k], mask=cols + k * CH < N)
+
+    @gluon.jit
+    def norm_bwd_smem_kernel(DY, X, W, MEAN, RSTD, DX, DW_P, DB_P, M, rows_per_prog, N: gl.constexpr,
+                             IS_RMS: gl.constexpr, HAS_W: gl.constexpr, WANT_DW: gl.constexpr, WANT_DB: gl.constexpr,
+                             STAGES: gl.constexpr):
+        # N is a constant: with it a multiple of 8, every row's start is provably 16-byte aligned,
+        # which cp.async's 16-byte copies need
+        NW: gl.constexpr = gl.num_warps()
+        CH: gl.constexpr = _BLOCK_N // _CHUNKS
+        layout: gl.constexpr = gl.BlockedLayout([CH // (32 * NW)], [32], [NW], [0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        MASKED: gl.constexpr = N != _BLOCK_N
+        pid = gl.program_id(0)
+        cols = gl.arange(0, CH, layout=layout)
+        # the same columns a thread, as one row: chunk k of thread t is columns k * CH + 8t ..
+        row_layout: gl.constexpr = gl.BlockedLayout([CH // (32 * NW)], [32], [NW], [0])
+        row_cols = gl.arange(0, _BLOCK_N, layout=row_layout)
+        row_start = pid.to(gl.int64) * rows_per_prog  # int64 rows: row * N may pass 2^31
+        row_end = gl.minimum(row_start + rows_per_prog, M)
+        last = row_end - 1  # rows past it are clamped to it: the ring's tail copies need no predicate
+        x_buf = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES, _BLOCK_N], flat)
+        dy_buf = gl.allocate_shared_memory(DY.dtype.element_ty, [STAGES, _BLOCK_N], flat)
+        for s in gl.static_range(STAGES - 1):
+            _issue_row(X, DY, x_buf, dy_buf, s, gl.minimum(row_start + s, last), N, row_cols, MASKED)
+        w_buf = x_buf.index(0)  # unused without HAS_W
+        if HAS_W:
+            w_buf = gl.allocate_shared_memory(gl.float32, [_BLOCK_N], flat,
+                                              gl.load(W + row_cols, mask=row_cols < N, other=0.0).to(gl.float32))
+        zero = gl.zeros([CH], gl.float32, layout)
+        dw0, dw1, dw2, dw3 = zero, zero, zero, zero
+        db0, db1, db2, db3 = zero, zero, zero, zero
+        # a row's mean/rstd are loaded one row ahead: their latency hides behind a row's work
+        rstd_next = gl.load(RSTD + row_start)
+        mean_next = rstd_next
+        if not IS_RMS:
+            mean_next = gl.load(MEAN + row_start)
+        for i in range((row_end - row_start).to(gl.int32)):
+            row = row_start + i
+            rstd = rstd_next
+            mean = mean_next
+            nxt = gl.minimum(row + 1, last)
+            rstd_next = gl.load(RSTD + nxt)
+            if not IS_RMS:
+                mean_next = gl.load(MEAN + nxt)
+            # refill the slot the previous row used (the compiler puts a barrier before it), then
+            # wait for this row's copies: at most STAGES - 1 groups, the newer rows', in flight
+            _issue_row(X, DY, x_buf, dy_buf, (i + STAGES - 1) % STAGES, gl.minimum(row + STAGES - 1, last), N,
+                       row_cols, MASKED)
+            async_copy.wait_group(STAGES - 1)
+            slot = i % STAGES
+            t1, t2 = zero, zero
+            t1, t2, dw0, db0 = _sums(x_buf, dy_buf, w_buf, slot, 0, mean, rstd, t1, t2, dw0, db0, IS_RMS, HAS_W,
+                                     WANT_DW, WANT_DB, layout)
+            t1, t2, dw1, db1 = _sums(x_buf, dy_buf, w_buf, slot, 1, mean, rstd, t1, t2, dw1, db1, IS_RMS, HAS_W,
+                                     WANT_DW, WANT_DB, layout)
+            t1, t2, dw2, db2 = _sums(x_buf, dy_buf, w_buf, slot, 2, mean, rstd, t1, t2, dw2, db2, IS_RMS, HAS_W,
+                                     WANT_DW, WANT_DB, layout)
+            t1, t2, dw3, db3 = _sums(x_buf, dy_buf, w_buf, slot, 3, mean, rstd, t1, t2, dw3, db3, IS_RMS, HAS_W,
+                                     WANT_DW, WANT_DB, layout)
+            if IS_RMS:
+                c1 = gl.sum(t1, axis=0) / N
+                c2 = 0.0
+            else:  # both row sums in one reduction: one exchange through shared memory, not two
+                s1, s2 = gl.reduce((t1, t2), 0, _add_pair)
+                c1 = s1 / N
+                c2 = s2 / N
+            for k in gl.static_range(_CHUNKS):
+                _dx(x_buf, dy_buf, w_buf, slot, k, mean, rstd, c1, c2, DX + row * N, cols, N, IS_RMS, HAS_W, MASKED,
+                    layout)
+        async_copy.wait_group(0)  # the tail's copies land before the program exits
+        if WANT_DW:
+            _store_partial(DW_P + pid * N, (dw0, dw1, dw2, dw3), cols, N)
+        if WANT_DB:
+            _store_partial(DB_P + pid * N, (db0, db1, db2, db3), cols, N)
