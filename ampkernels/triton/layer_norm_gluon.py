@@ -115,7 +115,7 @@ if gluon is not None:
             gl.store(DX_ROW + k * CH + cols, dx)
 
     @gluon.jit
-    def _store_partial(P, chunks: gl.constexpr, cols, N: gl.constexpr):
+    def _store_partial(P, chunks, cols, N: gl.constexpr):
         """A program's partial row from its 4 chunk sums (a tuple)."""
         CH: gl.constexpr = cols.shape[0]
         for k in gl.static_range(_CHUNKS):
