@@ -12,7 +12,10 @@ registers for the whole walk.
 A program per SM (16 warps) owns a contiguous chunk of rows. A thread owns the same 32 columns
 of every row: 4 chunks of 8 contiguous elements (16 bytes of a 16-bit row). The chunks are
 walked one at a time with sums of their own (ptxas for sm_90, bf16: the whole row at once
-spilled 108 bytes a thread with Triton 3.6, chunk by chunk 0-4; 92 with Triton 3.8). Per row: pass 1 adds dy * w * xhat and
+spilled 108 bytes a thread with Triton 3.6, chunk by chunk 0-4. Triton 3.8 merged pass 2's
+shared-memory loads into pass 1's, keeping the row in registers across the row sums: 92 bytes;
+a barrier between the passes stops that, 0 bytes; with Triton 3.6 it spilled 20, so only 3.8's
+Gluon, which has gl.barrier, gets it). Per row: pass 1 adds dy * w * xhat and
 dy * w (one two-value reduction over the block) and the dweight/dbias sums; pass 2 reads x, dy
 and w again from shared memory and writes dx. The partial rows are summed by layer_norm.py's
 _col_sum_kernel, in a fixed order: bitwise repeatable, as the other backward kernels.
@@ -55,6 +58,7 @@ def eligible(x, dy, dresidual_out, dres):
 if gluon is not None:
     _BLOCK_N = gl.constexpr(BLOCK_N)
     _CHUNKS = gl.constexpr(4)  # 16-byte chunks of a thread per row: BLOCK_N / (8 * 32 * NUM_WARPS)
+    _BARRIER_BEFORE_DX = gl.constexpr(hasattr(gl, "barrier"))  # see the module docstring
 
     @gluon.jit
     def _add_pair(a0, a1, b0, b1):
@@ -186,6 +190,8 @@ if gluon is not None:
                 s1, s2 = gl.reduce((t1, t2), 0, _add_pair)
                 c1 = s1 / N
                 c2 = s2 / N
+            if _BARRIER_BEFORE_DX:
+                gl.barrier()
             for k in gl.static_range(_CHUNKS):
                 _dx(x_buf, dy_buf, w_buf, slot, k, mean, rstd, c1, c2, DX + row * N, cols, N, IS_RMS, HAS_W, MASKED,
                     layout)
