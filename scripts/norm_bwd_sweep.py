@@ -19,7 +19,7 @@ Candidates, pruned as pointless on an H200 (sm_90 ptxas, Triton 3.8):
           registers (estimated 32 + 4 per element) and shared memory, and they keep >= 16 KB
           of x/dy loads in flight per SM.
   gluon:  the Gluon backward (ampkernels/triton/layer_norm_gluon.py; off by default in the
-          library, tln.SMEM_BWD) where this Triton has Gluon and the call is one it takes.
+          library, tln.GLUON) where this Triton has Gluon and the call is one it takes.
 At N = 16384: 57 configs per case, 456 in all; about 3 minutes with compiles; --budget-s caps it.
 --gluon-ab times only the library's choice and the Gluon backward (the A/B that decides its default).
 
@@ -63,7 +63,7 @@ def candidates(tln, n, xdy, smem, smoke):
     return kept, len(everything) - len(kept)
 
 
-GLUON = "gluon"  # the candidate that runs the library's RELOAD config with tln.SMEM_BWD on
+GLUON = "gluon"  # the candidate that runs the library's RELOAD config with tln.GLUON on
 
 
 def label(cfg):
@@ -104,13 +104,13 @@ def run_case(tln, op, dtype, pdtype, n, m, dev, cands, case_end, smoke):
                 return
             if not tln._gluon.available():
                 raise RuntimeError("this Triton has no Gluon")
-            tln.SMEM_BWD = True
+            tln.GLUON = True
             try:
                 if not tln._smem_kernel_takes(x, dy, None, x.new_empty(0)):
                     raise RuntimeError("the Gluon backward does not take this call")
                 tln._bwd_launch(default, dy, x, w, mean, rstd, None, is_rms, True, not is_rms, *outs)
             finally:
-                tln.SMEM_BWD = False
+                tln.GLUON = False
         try:
             launch()
             checks = [close(outs[0], ref[0], 1e-2)] + [close(outs[k], ref[k], tol) for k in ((2,) if is_rms else (2, 3))]

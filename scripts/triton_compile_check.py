@@ -240,18 +240,24 @@ def launch_everything(max_shared):
         for n in (8192, 16384):
             x, w = empty(64, n, dtype=dtype), empty(n, dtype=dtype)
             tln.norm_fwd(x, w, w, None, 1e-5, False, None, False)
-        # the Gluon backward (off by default, tln.SMEM_BWD): a whole row and a partial one; LayerNorm
-        # with fp32 params and with none, RMSNorm with 16-bit params
+        # the Gluon kernels (off by default, tln.GLUON), a whole row and a partial one: the backward
+        # for LayerNorm with fp32 params and with none, RMSNorm with 16-bit params; the forward
+        # (fp32 params) for LayerNorm, training and inference, and RMSNorm at 8192
         if tln._gluon.available():
-            tln.SMEM_BWD = True
+            tln.GLUON = True
             try:
                 for n in (16384, 12296):
                     x, st = empty(64, n, dtype=dtype), empty(64, dtype=torch.float32)
                     for is_rms, w in ((False, empty(n, dtype=torch.float32)), (False, None), (True, empty(n, dtype=dtype))):
                         tln.norm_bwd(x, x, w, st, st, None, is_rms, w is not None, not is_rms and w is not None,
                                      dtype, None, None if w is None else w.dtype)
+                    w32 = empty(n, dtype=torch.float32)
+                    for want_stats in (True, False):
+                        tln.norm_fwd(x, w32, w32, None, 1e-5, False, None, False, want_stats=want_stats)
+                x, w32 = empty(64, 8192, dtype=dtype), empty(8192, dtype=torch.float32)
+                tln.norm_fwd(x, w32, None, None, 1e-5, True, None, False)
             finally:
-                tln.SMEM_BWD = False
+                tln.GLUON = False
 
 
 def main(argv=None):

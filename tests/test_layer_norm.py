@@ -441,7 +441,7 @@ def test_triton_interpret_bwd_real_n(is_rms):
 
 @needs_triton
 def test_gluon_bwd_takes_only_what_it_can(monkeypatch):
-    """The Gluon backward's gate: off unless SMEM_BWD; 16-bit x and dy, rows of 8200-16384
+    """The Gluon backward's gate: off unless GLUON; 16-bit x and dy, rows of 8200-16384
     elements, a multiple of 8, starting 16-byte aligned, no residual gradients, the shared memory
     for its ring (an H200 block has it, an A100's not); never on CPU tensors (no interpreter)."""
     from ampkernels.triton import layer_norm as tln
@@ -463,13 +463,40 @@ def test_gluon_bwd_takes_only_what_it_can(monkeypatch):
 
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)  # an H100/H200 block
     assert not tln._smem_kernel_takes(x, x, None, none)  # off by default
-    monkeypatch.setattr(tln, "SMEM_BWD", True)
+    monkeypatch.setattr(tln, "GLUON", True)
     assert tln._smem_kernel_takes(x, x, None, none)
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 166912)  # an A100 block
     assert not tln._smem_kernel_takes(x, x, None, none)
     cpu = torch.empty(4, 16384, dtype=torch.bfloat16)
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)
     assert not tln._smem_kernel_takes(cpu, cpu, None, cpu.new_empty(0))
+
+
+@needs_triton
+def test_gluon_fwd_takes_only_what_it_can(monkeypatch):
+    """The Gluon forward's gate: the AMP case (16-bit x, fp32 weight), rows of 4104-16384, a
+    multiple of 8, 16-byte aligned, no residual; two programs an SM where two fit (N <= 8192)."""
+    from ampkernels.triton import layer_norm as tln
+    if not tln._gluon.available():
+        pytest.skip("this Triton has no Gluon")
+    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")
+    monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)
+    w32 = lambda n: meta(n, dtype=torch.float32)
+    x = meta(4, 16384)
+    assert tln._smem_fwd_programs_per_sm(x, w32(16384), w32(16384), None) == 0  # off by default
+    monkeypatch.setattr(tln, "GLUON", True)
+    for want, xx, w, b, r in ((1, x, w32(16384), w32(16384), None), (1, x, w32(16384), None, None),
+                              (2, meta(4, 8192, dtype=torch.float16), w32(8192), w32(8192), None),
+                              (2, meta(4, 4104), w32(4104), None, None),
+                              (0, meta(4, 4096), w32(4096), None, None), (0, meta(4, 16392), w32(16392), None, None),
+                              (0, meta(4, 12290), w32(12290), None, None), (0, x, meta(16384), None, None),
+                              (0, x, None, None, None), (0, meta(4, 16384, dtype=torch.float32), w32(16384), None, None),
+                              (0, x, w32(16384), None, x)):
+        assert tln._smem_fwd_programs_per_sm(xx, w, b, r) == want, (xx.shape, xx.dtype, w is not None, r is not None)
+    misaligned = torch.empty(4 * 8192 + 1, dtype=torch.bfloat16)[1:].view(4, 8192)
+    assert not tln._gluon.fwd_eligible(misaligned, None)
+    monkeypatch.setattr(tln, "_smem_per_program", lambda device: 166912)  # an A100 block: 16384 does not fit
+    assert tln._smem_fwd_programs_per_sm(x, w32(16384), w32(16384), None) == 0
 
 
 def test_triton_bwd_config_stages_and_fit(monkeypatch):
@@ -1046,13 +1073,13 @@ def _spy_launches(monkeypatch, tln):
 @pytest.mark.parametrize("n", [16384, 12296, 8200])
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_gpu_gluon_bwd(n, is_rms, monkeypatch):
-    """The Gluon backward (off by default: SMEM_BWD) against float64: both 16-bit dtypes, 16-bit
+    """The Gluon backward (off by default: GLUON) against float64: both 16-bit dtypes, 16-bit
     and fp32 params and none, one row, rows not a multiple of the programs, an all-zero row, a
     large mean, a 3-D input; its dweight/dbias bitwise repeatable."""
     from ampkernels.triton import layer_norm as tln
     if not tln._gluon.available():
         pytest.skip("this Triton has no Gluon")
-    monkeypatch.setattr(tln, "SMEM_BWD", True)
+    monkeypatch.setattr(tln, "GLUON", True)
     ran = _spy_launches(monkeypatch, tln)
     for dtype, pdtype, m in ((torch.bfloat16, torch.float32, 300), (torch.float16, torch.float16, 133),
                              (torch.bfloat16, torch.bfloat16, 1)):
@@ -1077,24 +1104,50 @@ def test_gpu_gluon_bwd(n, is_rms, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_bwd_64bit_indexing(monkeypatch):
-    """The Gluon backward over a tensor of more than 2^31 elements: the last rows' dx right."""
+@pytest.mark.parametrize("n", [16384, 12296, 8192, 5000])
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_gpu_gluon_fwd(n, is_rms, monkeypatch):
+    """The Gluon forward (off by default: GLUON; 16-bit x with fp32 params) against float64, for
+    training and inference: both 16-bit dtypes, one row, rows not a multiple of the programs, an
+    all-zero row, a large mean, a 3-D input."""
     from ampkernels.triton import layer_norm as tln
     if not tln._gluon.available():
         pytest.skip("this Triton has no Gluon")
-    monkeypatch.setattr(tln, "SMEM_BWD", True)
+    monkeypatch.setattr(tln, "GLUON", True)
+    ran = _spy_launches(monkeypatch, tln)
+    for dtype, m in ((torch.bfloat16, 300), (torch.float16, 133), (torch.bfloat16, 1)):
+        x, w, b = _inputs(m, n, dtype, "cuda", torch.float32)
+        x[m // 2] = 0
+        _check(is_rms, x, w, b, "triton")
+    x, w, b = _inputs(64, n, torch.float16, "cuda", torch.float32, mean=1000.0)
+    _check(is_rms, x, w, b, "triton")
+    x, w, b = _inputs(70, n, torch.bfloat16, "cuda", torch.float32, lead=(3,))
+    _check(is_rms, x, w, None, "triton")
+    assert tln._gluon.norm_fwd_smem_kernel in ran, "the Gluon forward did not run"
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_bwd_64bit_indexing(monkeypatch):
+    """The Gluon kernels over a tensor of more than 2^31 elements: the last rows' output and dx
+    right."""
+    from ampkernels.triton import layer_norm as tln
+    if not tln._gluon.available():
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(tln, "GLUON", True)
     ran = _spy_launches(monkeypatch, tln)
     n = 16384
     m = 2**31 // n + 3
     x = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
     dy = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
     w = randn(n, device="cuda", scale=0.5, offset=1.0)
-    _, _, mean, rstd = tln.norm_fwd(x, w, None, None, 1e-5, False, None, False)
+    out, _, mean, rstd = tln.norm_fwd(x, w, None, None, 1e-5, False, None, False)
     dx = tln.norm_bwd(dy, x, w, mean, rstd, None, False, True, False, torch.bfloat16, None, torch.float32)[0]
-    assert tln._gluon.norm_bwd_smem_kernel in ran, "the Gluon backward did not run"
+    assert tln._gluon.norm_fwd_smem_kernel in ran and tln._gluon.norm_bwd_smem_kernel in ran, ran
     tail = slice(m - 5, m)
     x6 = x[tail].double().requires_grad_()
-    F.layer_norm(x6, (n,), w.double()).backward(dy[tail].double())
+    out6 = F.layer_norm(x6, (n,), w.double())
+    out6.backward(dy[tail].double())
+    assert_rel_close(out[tail], out6, torch.bfloat16)
     assert_rel_close(dx[tail], x6.grad, torch.bfloat16, factor=GRAD_FACTOR)
-    del x, dy, dx
+    del x, dy, dx, out
     torch.cuda.empty_cache()

@@ -428,7 +428,7 @@ def _smem_per_program(device):
 #   warps (ptxas for sm_90 with Triton 3.6; not timed on a GPU); without the dbias sums, 61
 #   registers and no spill. RMSNorm (one sum) fits, hence its 32-warp launch in _bwd_config.
 #   layer_norm_gluon.py keeps the row in shared memory instead (its own cp.async ring, the
-#   weight there too) and only the sums in registers; off by default until measured (SMEM_BWD).
+#   weight there too) and only the sums in registers; off by default until measured (GLUON).
 # AMPKERNELS_TRITON_NORM_BWD_STAGES=1 gives back the launch before this change (that table, no
 # pipelining, looped kernel at N = 16384) for A/B runs; =2 or =3 forces the stage count. (The
 # kernel body under =1 keeps this change's (BLOCK_N,) sums and unmasked power-of-two rows: same
@@ -614,8 +614,14 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     wide_params = _wide_params(x, weight)
     block, rows, warps, params_first = _fwd_config(N, wide_params)
     chunked = _fwd_chunked(block, is_rms, wide_params)
+    gluon_per_sm = _smem_fwd_programs_per_sm(x, weight, bias, residual) if wide_params and N > 4096 else 0
     with on_device(x):
-        if chunked:
+        if gluon_per_sm:
+            progs = min(M, _sms(x.device) * gluon_per_sm)
+            launch(_gluon.norm_fwd_smem_kernel, (progs,), x, ptrs[2], ptrs[3], out, ptrs[6], ptrs[7], M, cdiv(M, progs),
+                   eps, N=N, BLOCK=_gluon.fwd_block(N), IS_RMS=is_rms, HAS_W=True, HAS_B=bias is not None,
+                   STORE_STATS=want_stats, STAGES=_gluon.STAGES, num_warps=_gluon.NUM_WARPS)
+        elif chunked:
             chunk, chunk_warps, unroll = chunked
             launch(_norm_fwd_chunked_kernel, (M,), *ptrs, M, eps, int(want_stats), N=N, **flags, BLOCK_N=chunk,
                    UNROLL=unroll, EVEN=N % chunk == 0, num_warps=chunk_warps)
@@ -676,20 +682,38 @@ _BWD_KEPT = {}
 _MAX_KEPT = 1024
 
 
-# The Gluon backward (layer_norm_gluon.py) for the rows RELOAD takes: off by default until it is
-# measured against RELOAD on the H200; AMPKERNELS_TRITON_NORM_BWD_GLUON=1 turns it on.
-SMEM_BWD = os.environ.get("AMPKERNELS_TRITON_NORM_BWD_GLUON", "0") == "1"
+# The Gluon kernels (layer_norm_gluon.py): the backward for the rows RELOAD takes, the forward
+# for 16-bit x with fp32 params on rows of 4104-16384. Off by default until measured against the
+# Triton kernels on the H200; AMPKERNELS_TRITON_NORM_GLUON=1 turns them on.
+GLUON = os.environ.get("AMPKERNELS_TRITON_NORM_GLUON", "0") == "1"
+
+
+def _gluon_can_run(x):
+    """On, Gluon present, and a GPU with cp.async (sm_80+); never CPU tensors (no interpreter)."""
+    if not GLUON or not _gluon.available() or x.device.type == "cpu":
+        return False
+    return x.device.type != "cuda" or device_properties(device_index(x.device)).major >= 8
 
 
 def _smem_kernel_takes(x, dy, dresidual_out, dres):
-    """Whether the Gluon backward runs this RELOAD call: on, Gluon present, a GPU with cp.async
-    (sm_80+) and the shared memory for its ring, and a call it takes (_gluon.eligible)."""
-    if not SMEM_BWD or not _gluon.available() or x.device.type == "cpu":  # no Gluon interpreter
-        return False
-    if x.device.type == "cuda" and device_properties(device_index(x.device)).major < 8:
+    """Whether the Gluon backward runs this RELOAD call: _gluon_can_run, the shared memory for
+    its ring, and a call it takes (_gluon.eligible)."""
+    if not _gluon_can_run(x):
         return False
     need = _gluon.smem_bytes(x.element_size(), dy.element_size()) + _SMEM_MARGIN
     return need <= _smem_per_program(x.device) and _gluon.eligible(x, dy, dresidual_out, dres)
+
+
+def _smem_fwd_programs_per_sm(x, weight, bias, residual):
+    """Programs per SM of the Gluon forward for this call (0: it does not take it): the AMP case
+    (16-bit x, fp32 weight), no residual, the shared memory for its ring and params."""
+    if not _wide_params(x, weight) or not _gluon_can_run(x) or not _gluon.fwd_eligible(x, residual):
+        return 0
+    block = _gluon.fwd_block(x.shape[1])
+    need = _gluon.fwd_smem_bytes(block, x.element_size(), 1 + (bias is not None)) + _SMEM_MARGIN
+    if need > _smem_per_program(x.device):
+        return 0
+    return 2 if 2 * need <= _smem_per_program(x.device) else 1  # (an SM has a little more than a block)
 
 
 def _smaller_bwd_config(cfg, x, dy, weight):

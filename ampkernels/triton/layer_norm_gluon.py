@@ -1,4 +1,5 @@
-"""LayerNorm / RMSNorm backward for rows of 8200-16384 elements, written in Gluon.
+"""LayerNorm / RMSNorm in Gluon: the backward for rows of 8200-16384 elements, and the forward of
+16-bit x with fp32 params for rows of 4104-16384 (norm_fwd_smem_kernel, at the end).
 
 Why: the Triton RELOAD kernel (layer_norm.py) cannot hold a LayerNorm row of 16384 elements and
 the dweight/dbias sums in registers, so it reads x and dy twice through Triton's pipeliner; it
@@ -20,9 +21,9 @@ dy * w (one two-value reduction over the block) and the dweight/dbias sums; pass
 and w again from shared memory and writes dx. The partial rows are summed by layer_norm.py's
 _col_sum_kernel, in a fixed order: bitwise repeatable, as the other backward kernels.
 
-Contract: layer_norm.norm_bwd's, for 16-bit x and dy whose rows start 16-byte aligned (N a
-multiple of 8), no residual gradients. Gluon has no interpreter: scripts/triton_compile_check.py
-compiles the kernel for sm_90 on the CPU and tests/test_layer_norm.py tests it on the GPU.
+Contract: layer_norm.norm_bwd's / norm_fwd's, for 16-bit x (and dy) whose rows start 16-byte
+aligned (N a multiple of 8), without residuals. Gluon has no interpreter: scripts/triton_compile_check.py
+compiles the kernels for sm_90 on the CPU and tests/test_layer_norm.py tests them on the GPU.
 """
 try:
     from triton.experimental import gluon
@@ -33,6 +34,7 @@ except ImportError:  # a Triton without Gluon: the Triton kernels only
 
 BLOCK_N = 16384  # columns a program's layout covers: rows of up to this many elements
 MIN_N = 8200     # shorter rows fit in registers (layer_norm.py's register kernel)
+FWD_MIN_N = 4104  # the forward with fp32 params: up to 4096 the Triton kernel reached the target
 NUM_WARPS = 16   # 32 columns a thread: the dweight/dbias sums take 64 of its 128 registers
 STAGES = 2       # rows in the ring: the one being reduced and the next (in flight)
 
@@ -45,6 +47,24 @@ def smem_bytes(x_size, dy_size):
     """Shared memory the kernel allocates: the ring of x and dy rows and the fp32 weight (the
     reduction's scratch is a few hundred bytes more)."""
     return STAGES * BLOCK_N * (x_size + dy_size) + BLOCK_N * 4
+
+
+def fwd_block(n):
+    """Columns the forward's layout covers for rows of n elements."""
+    return 8192 if n <= 8192 else BLOCK_N
+
+
+def fwd_smem_bytes(block, x_size, params):
+    """Shared memory the forward allocates: the ring of x rows and `params` fp32 param rows."""
+    return STAGES * block * x_size + params * block * 4
+
+
+def fwd_eligible(x, residual):
+    """The forward calls this file takes: 16-bit x, rows of FWD_MIN_N..BLOCK_N elements starting
+    16-byte aligned, no residual (layer_norm.py's kernels take those)."""
+    n = x.shape[1]
+    return (FWD_MIN_N <= n <= BLOCK_N and n % 8 == 0 and x.element_size() == 2 and x.data_ptr() % 16 == 0
+            and residual is None)
 
 
 def eligible(x, dy, dresidual_out, dres):
@@ -65,15 +85,19 @@ if gluon is not None:
         return a0 + b0, a1 + b1
 
     @gluon.jit
-    def _issue_row(X, DY, x_buf, dy_buf, slot, row, N: gl.constexpr, row_cols, MASKED: gl.constexpr):
-        """cp.async of row `row` of x and dy into ring slot `slot`, one commit group. Whole rows,
-        not chunks: the compiler puts a barrier between any two copies into one buffer."""
+    def _copy_row(SRC, buf, slot, row, N: gl.constexpr, row_cols, MASKED: gl.constexpr):
+        """cp.async of row `row` of SRC into ring slot `slot` of buf (the caller commits). Whole
+        rows, not chunks: the compiler puts a barrier between any two copies into one buffer."""
         if MASKED:  # masked-off 16-byte chunks are filled with zeros
-            async_copy.async_copy_global_to_shared(x_buf.index(slot), X + row * N + row_cols, mask=row_cols < N)
-            async_copy.async_copy_global_to_shared(dy_buf.index(slot), DY + row * N + row_cols, mask=row_cols < N)
+            async_copy.async_copy_global_to_shared(buf.index(slot), SRC + row * N + row_cols, mask=row_cols < N)
         else:
-            async_copy.async_copy_global_to_shared(x_buf.index(slot), X + row * N + row_cols)
-            async_copy.async_copy_global_to_shared(dy_buf.index(slot), DY + row * N + row_cols)
+            async_copy.async_copy_global_to_shared(buf.index(slot), SRC + row * N + row_cols)
+
+    @gluon.jit
+    def _issue_row(X, DY, x_buf, dy_buf, slot, row, N: gl.constexpr, row_cols, MASKED: gl.constexpr):
+        """The backward's copies of a row: x and dy, one commit group."""
+        _copy_row(X, x_buf, slot, row, N, row_cols, MASKED)
+        _copy_row(DY, dy_buf, slot, row, N, row_cols, MASKED)
         async_copy.commit_group()
 
     @gluon.jit
@@ -200,3 +224,74 @@ if gluon is not None:
             _store_partial(DW_P + pid * N, (dw0, dw1, dw2, dw3), cols, N)
         if WANT_DB:
             _store_partial(DB_P + pid * N, (db0, db1, db2, db3), cols, N)
+
+    @gluon.jit
+    def _param_smem(P, row_cols, N: gl.constexpr, BLOCK: gl.constexpr, flat: gl.constexpr):
+        """A weight or bias row as fp32 in shared memory, read from global memory once."""
+        return gl.allocate_shared_memory(gl.float32, [BLOCK], flat,
+                                         gl.load(P + row_cols, mask=row_cols < N, other=0.0).to(gl.float32))
+
+    @gluon.jit
+    def norm_fwd_smem_kernel(X, W, B, Y, MEAN, RSTD, M, rows_per_prog, eps, N: gl.constexpr, BLOCK: gl.constexpr,
+                             IS_RMS: gl.constexpr, HAS_W: gl.constexpr, HAS_B: gl.constexpr,
+                             STORE_STATS: gl.constexpr, STAGES: gl.constexpr):
+        # The forward for 16-bit x with fp32 params (the AMP case) on long rows: the Triton kernels
+        # read the params again from L2 for every row (8 bytes an element against x's 4 bytes of
+        # HBM); here each program reads them once into shared memory and walks its rows through a
+        # cp.async ring, as the backward above. Three passes over the row in shared memory: the
+        # mean, the centred sum of squares (as the Triton kernels, not one-pass moments), the output.
+        NW: gl.constexpr = gl.num_warps()
+        CH: gl.constexpr = 8 * 32 * NW  # 8 contiguous elements (16 bytes) a thread per chunk
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [NW], [0])
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        MASKED: gl.constexpr = N != BLOCK
+        pid = gl.program_id(0)
+        cols = gl.arange(0, CH, layout=layout)
+        row_cols = gl.arange(0, BLOCK, layout=layout)  # chunk k of thread t: columns k * CH + 8t ..
+        row_start = pid.to(gl.int64) * rows_per_prog
+        row_end = gl.minimum(row_start + rows_per_prog, M)
+        last = row_end - 1
+        x_buf = gl.allocate_shared_memory(X.dtype.element_ty, [STAGES, BLOCK], flat)
+        for s in gl.static_range(STAGES - 1):
+            _copy_row(X, x_buf, s, gl.minimum(row_start + s, last), N, row_cols, MASKED)
+            async_copy.commit_group()
+        w_buf = x_buf.index(0)  # unused without HAS_W / HAS_B
+        b_buf = w_buf
+        if HAS_W:
+            w_buf = _param_smem(W, row_cols, N, BLOCK, flat)
+        if HAS_B:
+            b_buf = _param_smem(B, row_cols, N, BLOCK, flat)
+        for i in range((row_end - row_start).to(gl.int32)):
+            row = row_start + i
+            _copy_row(X, x_buf, (i + STAGES - 1) % STAGES, gl.minimum(row + STAGES - 1, last), N, row_cols, MASKED)
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)
+            xs = x_buf.index(i % STAGES)
+            mean = 0.0
+            if not IS_RMS:
+                acc = gl.zeros([CH], gl.float32, layout)
+                for k in gl.static_range(BLOCK // CH):
+                    acc += xs.slice(k * CH, CH).load(layout).to(gl.float32)
+                mean = gl.sum(acc, axis=0) / N
+            acc = gl.zeros([CH], gl.float32, layout)
+            for k in gl.static_range(BLOCK // CH):
+                xc = xs.slice(k * CH, CH).load(layout).to(gl.float32) - mean
+                if MASKED and not IS_RMS:  # (RMSNorm's masked columns are zeros already)
+                    xc = gl.where(cols + k * CH < N, xc, 0.0)
+                acc += xc * xc
+            rstd = 1.0 / gl.sqrt(gl.sum(acc, axis=0) / N + eps)
+            if STORE_STATS:
+                if not IS_RMS:
+                    gl.store(MEAN + row, mean)
+                gl.store(RSTD + row, rstd)
+            for k in gl.static_range(BLOCK // CH):
+                y = (xs.slice(k * CH, CH).load(layout).to(gl.float32) - mean) * rstd
+                if HAS_W:
+                    y *= w_buf.slice(k * CH, CH).load(layout)
+                if HAS_B:
+                    y += b_buf.slice(k * CH, CH).load(layout)
+                if MASKED:
+                    gl.store(Y + row * N + k * CH + cols, y.to(Y.dtype.element_ty), mask=cols + k * CH < N)
+                else:
+                    gl.store(Y + row * N + k * CH + cols, y.to(Y.dtype.element_ty))
+        async_copy.wait_group(0)  # the tail's copies land before the program exits
