@@ -6,13 +6,15 @@ saves the Triton source torch.compile generates (appended to OUT/inductor-source
 the launch config its autotuner picked, and times, with do_bench (L2 flushed), in one process:
   compile             torch.compile of F.layer_norm / F.rms_norm (fresh per shape)
   triton              ampkernels' Triton backend as shipped
+  triton+gluon        the same with tln.GLUON on (the Gluon forward, layer_norm_gluon.py, where it
+                      takes the call: fp32 params, N 4104-16384); with --params fp32
   reg ROWS/WARPS[/pf][/nostats]  _norm_fwd_kernel with that launch (pf: params loaded with x;
                       nostats: mean/rstd not stored, as for inference)
   chunk BLOCK/WARPS uU  _norm_fwd_chunked_kernel (N a compile-time constant), its loops unrolled U
                       times by Triton (u1: left to the compiler)
 TB/s counts x read and y written, as the benchmarks do.
 
-    python scripts/norm_fwd_probe.py --out DIR [--n 768 16384] [--dtype bf16] [--params fp32]
+    python scripts/norm_fwd_probe.py --out DIR [--n 768 16384] [--dtype bf16] [--params fp32] [--no-candidates]
 """
 import argparse
 import json
@@ -31,6 +33,7 @@ parser.add_argument("--n", type=int, nargs="+", default=[768, 1024, 8192, 16384,
 parser.add_argument("--dtype", choices=("bf16", "fp16"), nargs="+", default=["bf16"])
 parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its source and time)")
 parser.add_argument("--params", choices=("x", "fp32"), default="x", help="weight/bias dtype: x's, or fp32 (AMP)")
+parser.add_argument("--no-candidates", action="store_true", help="only the shipped kernels (and the Gluon one)")
 args = parser.parse_args()
 os.makedirs(args.out, exist_ok=True)
 results = open(os.path.join(args.out, "norm-fwd-probe.jsonl"), "a")
@@ -138,7 +141,18 @@ for dname in args.dtype:
                 record(op, dname, n, "triton", lambda: ampkernels.rms_norm(x, (n,), w, backend="triton"), ref)
             else:
                 record(op, dname, n, "triton", lambda: ampkernels.layer_norm(x, (n,), w, b, backend="triton"), ref)
-            for kind, a, c_w, c in candidates(n, args.params == "fp32"):
+            if args.params == "fp32" and tln._gluon.available():
+                tln.GLUON = True
+                try:
+                    if is_rms:
+                        record(op, dname, n, "triton+gluon", lambda: ampkernels.rms_norm(x, (n,), w, backend="triton"),
+                               ref)
+                    else:
+                        record(op, dname, n, "triton+gluon",
+                               lambda: ampkernels.layer_norm(x, (n,), w, b, backend="triton"), ref)
+                finally:
+                    tln.GLUON = False
+            for kind, a, c_w, c in [] if args.no_candidates else candidates(n, args.params == "fp32"):
                 fn = launcher(kind, a, c_w, c, x, w, bias, is_rms)
                 variant = ("/pf" * c[0]) if kind == "reg" else f" u{c[0]}"
                 name = f"{kind} {a}/{c_w}{variant}" + "/nostats" * (not c[1])
