@@ -142,14 +142,13 @@ for dname in args.dtype:
             else:
                 record(op, dname, n, "triton", lambda: ampkernels.layer_norm(x, (n,), w, b, backend="triton"), ref)
             if args.params == "fp32" and tln._gluon.available():
+                def shipped(x=x, w=w, bias=bias, n=n, is_rms=is_rms):
+                    if is_rms:
+                        return ampkernels.rms_norm(x, (n,), w, backend="triton")
+                    return ampkernels.layer_norm(x, (n,), w, bias, backend="triton")
                 tln.GLUON = True
                 try:
-                    if is_rms:
-                        record(op, dname, n, "triton+gluon", lambda: ampkernels.rms_norm(x, (n,), w, backend="triton"),
-                               ref)
-                    else:
-                        record(op, dname, n, "triton+gluon",
-                               lambda: ampkernels.layer_norm(x, (n,), w, b, backend="triton"), ref)
+                    record(op, dname, n, "triton+gluon", shipped, ref)
                 finally:
                     tln.GLUON = False
             for kind, a, c_w, c in [] if args.no_candidates else candidates(n, args.params == "fp32"):
