@@ -106,7 +106,7 @@ def run_case(tln, op, dtype, pdtype, n, m, dev, cands, case_end, smoke):
                 raise RuntimeError("this Triton has no Gluon")
             tln.GLUON = True
             try:
-                if not tln._smem_kernel_takes(x, dy, None, x.new_empty(0)):
+                if not tln._gluon_bwd_takes(x, dy, None, x.new_empty(0)):
                     raise RuntimeError("the Gluon backward does not take this call")
                 tln._bwd_launch(default, dy, x, w, mean, rstd, None, is_rms, True, not is_rms, *outs)
             finally:

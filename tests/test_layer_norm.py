@@ -457,19 +457,19 @@ def test_gluon_bwd_takes_only_what_it_can(monkeypatch):
                                   (False, meta(4, 16384, dtype=torch.float32), None, None, none),
                                   (False, x, meta(4, 16384, dtype=torch.float32), None, none),
                                   (False, x, x, x, none), (False, x, x, None, x)):
-        assert gluon.eligible(xx, xx if dy is None else dy, dro, dres) == ok, (xx.shape, xx.dtype, ok)
+        assert gluon.bwd_eligible(xx, xx if dy is None else dy, dro, dres) == ok, (xx.shape, xx.dtype, ok)
     misaligned = torch.empty(4 * 16384 + 1, dtype=torch.bfloat16)[1:].view(4, 16384)
-    assert not gluon.eligible(misaligned, misaligned, None, none)
+    assert not gluon.bwd_eligible(misaligned, misaligned, None, none)
 
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)  # an H100/H200 block
-    assert not tln._smem_kernel_takes(x, x, None, none)  # off by default
+    assert not tln._gluon_bwd_takes(x, x, None, none)  # off by default
     monkeypatch.setattr(tln, "GLUON", True)
-    assert tln._smem_kernel_takes(x, x, None, none)
+    assert tln._gluon_bwd_takes(x, x, None, none)
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 166912)  # an A100 block
-    assert not tln._smem_kernel_takes(x, x, None, none)
+    assert not tln._gluon_bwd_takes(x, x, None, none)
     cpu = torch.empty(4, 16384, dtype=torch.bfloat16)
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)
-    assert not tln._smem_kernel_takes(cpu, cpu, None, cpu.new_empty(0))
+    assert not tln._gluon_bwd_takes(cpu, cpu, None, cpu.new_empty(0))
 
 
 @needs_triton
@@ -483,7 +483,7 @@ def test_gluon_fwd_takes_only_what_it_can(monkeypatch):
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)
     w32 = lambda n: meta(n, dtype=torch.float32)
     x = meta(4, 16384)
-    assert tln._smem_fwd_programs_per_sm(x, w32(16384), w32(16384), None) == 0  # off by default
+    assert tln._gluon_fwd_programs_per_sm(x, w32(16384), w32(16384), None) == 0  # off by default
     monkeypatch.setattr(tln, "GLUON", True)
     for want, xx, w, b, r in ((1, x, w32(16384), w32(16384), None), (1, x, w32(16384), None, None),
                               (2, meta(4, 8192, dtype=torch.float16), w32(8192), w32(8192), None),
@@ -492,11 +492,11 @@ def test_gluon_fwd_takes_only_what_it_can(monkeypatch):
                               (0, meta(4, 12290), w32(12290), None, None), (0, x, meta(16384), None, None),
                               (0, x, None, None, None), (0, meta(4, 16384, dtype=torch.float32), w32(16384), None, None),
                               (0, x, w32(16384), None, x)):
-        assert tln._smem_fwd_programs_per_sm(xx, w, b, r) == want, (xx.shape, xx.dtype, w is not None, r is not None)
+        assert tln._gluon_fwd_programs_per_sm(xx, w, b, r) == want, (xx.shape, xx.dtype, w is not None, r is not None)
     misaligned = torch.empty(4 * 8192 + 1, dtype=torch.bfloat16)[1:].view(4, 8192)
     assert not tln._gluon.fwd_eligible(misaligned, None)
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 166912)  # an A100 block: 16384 does not fit
-    assert tln._smem_fwd_programs_per_sm(x, w32(16384), w32(16384), None) == 0
+    assert tln._gluon_fwd_programs_per_sm(x, w32(16384), w32(16384), None) == 0
 
 
 def test_triton_bwd_config_stages_and_fit(monkeypatch):

@@ -614,7 +614,7 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     wide_params = _wide_params(x, weight)
     block, rows, warps, params_first = _fwd_config(N, wide_params)
     chunked = _fwd_chunked(block, is_rms, wide_params)
-    gluon_per_sm = _smem_fwd_programs_per_sm(x, weight, bias, residual) if wide_params and N > 4096 else 0
+    gluon_per_sm = _gluon_fwd_programs_per_sm(x, weight, bias, residual) if wide_params and N > 4096 else 0
     with on_device(x):
         if gluon_per_sm:
             progs = min(M, _sms(x.device) * gluon_per_sm)
@@ -695,16 +695,16 @@ def _gluon_can_run(x):
     return x.device.type != "cuda" or device_properties(device_index(x.device)).major >= 8
 
 
-def _smem_kernel_takes(x, dy, dresidual_out, dres):
+def _gluon_bwd_takes(x, dy, dresidual_out, dres):
     """Whether the Gluon backward runs this RELOAD call: _gluon_can_run, the shared memory for
-    its ring, and a call it takes (_gluon.eligible)."""
+    its ring, and a call it takes (_gluon.bwd_eligible)."""
     if not _gluon_can_run(x):
         return False
-    need = _gluon.smem_bytes(x.element_size(), dy.element_size()) + _SMEM_MARGIN
-    return need <= _smem_per_program(x.device) and _gluon.eligible(x, dy, dresidual_out, dres)
+    need = _gluon.bwd_smem_bytes(x.element_size(), dy.element_size()) + _SMEM_MARGIN
+    return need <= _smem_per_program(x.device) and _gluon.bwd_eligible(x, dy, dresidual_out, dres)
 
 
-def _smem_fwd_programs_per_sm(x, weight, bias, residual):
+def _gluon_fwd_programs_per_sm(x, weight, bias, residual):
     """Programs per SM of the Gluon forward for this call (0: it does not take it): the AMP case
     (16-bit x, fp32 weight), no residual, the shared memory for its ring and params."""
     if not _wide_params(x, weight) or not _gluon_can_run(x) or not _gluon.fwd_eligible(x, residual):
@@ -734,7 +734,7 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
     for calls of the same key (None, as the sweep calls it: launch() each time)."""
     M, N = x.shape
     block, rows, warps, per_sm, looped, stages = cfg
-    smem_kernel = not looped and block > _MAX_BWD_BLOCK and _smem_kernel_takes(x, dy, dresidual_out, dres)
+    gluon_bwd = not looped and block > _MAX_BWD_BLOCK and _gluon_bwd_takes(x, dy, dresidual_out, dres)
     progs = min(cdiv(M, rows), _sms(x.device) * per_sm)
     rows_per_prog = cdiv(cdiv(M, progs), rows) * rows
     progs = cdiv(M, rows_per_prog)
@@ -743,7 +743,7 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
     partials = torch.empty((want_dweight + want_dbias, progs, N), dtype=torch.float32, device=x.device)
     dw_p = partials[0] if want_dweight else dummy
     db_p = partials[-1] if want_dbias else dummy
-    if smem_kernel:
+    if gluon_bwd:
         args = (dy, x, dummy if weight is None else weight, rstd if is_rms else mean, rstd, dx, dw_p, db_p, M,
                 rows_per_prog)
     else:
@@ -754,8 +754,8 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
     if partials.shape[0]:
         sum_args = (partials, dw if want_dweight else db, db if want_dbias else dw, progs, N)
     if kept_key is not None:
-        kept_key = (kept_key, cfg, smem_kernel, tuple(a.data_ptr() % 16 == 0 for a in args + sum_args
-                                         if isinstance(a, torch.Tensor)))
+        kept_key = (kept_key, cfg, gluon_bwd, tuple(a.data_ptr() % 16 == 0 for a in args + sum_args
+                                                    if isinstance(a, torch.Tensor)))
     kept = _BWD_KEPT.get(kept_key) if kept_key is not None else None
     with on_device(x):
         if kept is not None:
@@ -765,7 +765,7 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
             return
         flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_DRO=dresidual_out is not None,
                      HAS_DRES=dres.numel() > 0, WANT_DW=want_dweight, WANT_DB=want_dbias)
-        if smem_kernel:
+        if gluon_bwd:
             bwd = launch(_gluon.norm_bwd_smem_kernel, (progs,), *args, N=N, IS_RMS=is_rms, HAS_W=weight is not None,
                          WANT_DW=want_dweight, WANT_DB=want_dbias, STAGES=_gluon.STAGES, num_warps=_gluon.NUM_WARPS)
         elif looped:

@@ -32,19 +32,19 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernels only
     gluon = None
 
-BLOCK_N = 16384  # columns a program's layout covers: rows of up to this many elements
-MIN_N = 8200     # shorter rows fit in registers (layer_norm.py's register kernel)
+BLOCK_N = 16384   # columns a program's layout covers: rows of up to this many elements
+BWD_MIN_N = 8200  # the backward: shorter rows fit in registers (layer_norm.py's register kernel)
 FWD_MIN_N = 4104  # the forward with fp32 params: up to 4096 the Triton kernel reached the target
-NUM_WARPS = 16   # 32 columns a thread: the dweight/dbias sums take 64 of its 128 registers
-STAGES = 2       # rows in the ring: the one being reduced and the next (in flight)
+NUM_WARPS = 16    # 32 columns a thread at 16384: the dweight/dbias sums take 64 of its 128 registers
+STAGES = 2        # rows in the ring: the one being reduced and the next (in flight)
 
 
 def available():
     return gluon is not None
 
 
-def smem_bytes(x_size, dy_size):
-    """Shared memory the kernel allocates: the ring of x and dy rows and the fp32 weight (the
+def bwd_smem_bytes(x_size, dy_size):
+    """Shared memory the backward allocates: the ring of x and dy rows and the fp32 weight (the
     reduction's scratch is a few hundred bytes more)."""
     return STAGES * BLOCK_N * (x_size + dy_size) + BLOCK_N * 4
 
@@ -67,11 +67,11 @@ def fwd_eligible(x, residual):
             and residual is None)
 
 
-def eligible(x, dy, dresidual_out, dres):
-    """The calls this kernel takes: 16-bit x and dy, rows of MIN_N..BLOCK_N elements starting
+def bwd_eligible(x, dy, dresidual_out, dres):
+    """The backward calls this file takes: 16-bit x and dy, rows of BWD_MIN_N..BLOCK_N elements starting
     16-byte aligned, no residual gradients (layer_norm.py's kernels take those)."""
     n = x.shape[1]
-    return (MIN_N <= n <= BLOCK_N and n % 8 == 0 and x.element_size() == 2 and dy.element_size() == 2
+    return (BWD_MIN_N <= n <= BLOCK_N and n % 8 == 0 and x.element_size() == 2 and dy.element_size() == 2
             and x.data_ptr() % 16 == 0 and dy.data_ptr() % 16 == 0 and dresidual_out is None and not dres.numel())
 
 
