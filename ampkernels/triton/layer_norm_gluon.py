@@ -1,29 +1,33 @@
-"""LayerNorm / RMSNorm in Gluon: the backward for rows of 8200-16384 elements, and the forward of
-16-bit x with fp32 params for rows of 4104-16384 (norm_fwd_smem_kernel, at the end).
+"""LayerNorm / RMSNorm in Gluon: the backward for rows of 8200-16384 elements and the forward of
+16-bit x with fp32 params for rows of 4104-16384, where the Triton kernels of layer_norm.py fall
+short (H200, benchmarks/results/h200-2026-12-01-fe3f7e8-norms-report.txt / -norms.jsonl):
+- backward: the RELOAD kernel cannot hold a LayerNorm row of 16384 elements and the
+  dweight/dbias sums in registers, so it reads x and dy twice through Triton's pipeliner: 2.56-2.65
+  TB/s, against 3.24-3.27 for the CUDA backend's pipelined kernel (target 85% of 3.2);
+- forward with fp32 params: the Triton kernels read the params again from L2 for every row (8
+  bytes an element against x's 4 of HBM): LayerNorm at 4.0x / 3.4-3.5x nn.LayerNorm under
+  autocast at N = 8192 / 16384 (target 85% of 5x).
+Gluon lets both do what the CUDA kernels do: a persistent program reads the params once into
+shared memory (fp32) and walks its rows through a 2-stage cp.async ring (the next row's copies
+in flight while this row is reduced), each pass reading the row from shared memory.
 
-Why: the Triton RELOAD kernel (layer_norm.py) cannot hold a LayerNorm row of 16384 elements and
-the dweight/dbias sums in registers, so it reads x and dy twice through Triton's pipeliner; it
-ran 2.56-2.65 TB/s on the H200 against 3.24-3.27 for the CUDA backend's pipelined kernel
-(benchmarks/results/h200-2026-12-01-fe3f7e8-norms-report.txt). Gluon lets this kernel do what
-that CUDA kernel does: the rows' x and dy go into a 2-stage shared-memory ring by cp.async (the
-next row's copies are in flight while this row is reduced), the fp32 weight is kept in shared
-memory, and each pass reads the row from shared memory, so only the dweight/dbias sums stay in
-registers for the whole walk.
-
-A program per SM (16 warps) owns a contiguous chunk of rows. A thread owns the same 32 columns
-of every row: 4 chunks of 8 contiguous elements (16 bytes of a 16-bit row). The chunks are
-walked one at a time with sums of their own (ptxas for sm_90, bf16: the whole row at once
-spilled 108 bytes a thread with Triton 3.6, chunk by chunk 0-4. Triton 3.8 merged pass 2's
-shared-memory loads into pass 1's, keeping the row in registers across the row sums: 92 bytes;
-a barrier between the passes stops that, 0 bytes; with Triton 3.6 it spilled 20, so only 3.8's
-Gluon, which has gl.barrier, gets it). Per row: pass 1 adds dy * w * xhat and
-dy * w (one two-value reduction over the block) and the dweight/dbias sums; pass 2 reads x, dy
-and w again from shared memory and writes dx. The partial rows are summed by layer_norm.py's
-_col_sum_kernel, in a fixed order: bitwise repeatable, as the other backward kernels.
+Backward: a program per SM (16 warps) owns a contiguous chunk of rows; a thread owns the same 32
+columns of every row, 4 chunks of 8 contiguous elements (16 bytes of a 16-bit row), walked one
+at a time with dweight/dbias sums of their own, the only values kept in registers for the walk.
+Per row: pass 1 adds dy * w * xhat and dy * w (one two-value reduction over the block) and the
+dweight/dbias sums; pass 2 reads x, dy and w again and writes dx. The partial rows are summed by
+layer_norm.py's _col_sum_kernel in a fixed order: bitwise repeatable, as the other backwards.
+Registers (ptxas for sm_90, bf16): the whole row at once spilled 108 bytes a thread with Triton
+3.6, chunk by chunk 0-4. Triton 3.8 merged pass 2's shared-memory loads into pass 1's, keeping
+the row in registers across the row sums (92 bytes); a barrier between the passes stops that (0
+bytes), but with Triton 3.6 it spilled 20, so only a Gluon with gl.barrier (3.8) gets it.
+Forward: three passes over the row in shared memory (the mean, the centred sum of squares, as
+the Triton kernels compute them, then the output); 35-64 registers, no spill.
 
 Contract: layer_norm.norm_bwd's / norm_fwd's, for 16-bit x (and dy) whose rows start 16-byte
-aligned (N a multiple of 8), without residuals. Gluon has no interpreter: scripts/triton_compile_check.py
-compiles the kernels for sm_90 on the CPU and tests/test_layer_norm.py tests them on the GPU.
+aligned (N a multiple of 8), without residuals. Gluon has no interpreter: scripts/
+triton_compile_check.py compiles the kernels for sm_90 on the CPU and tests/test_layer_norm.py
+tests them on the GPU.
 """
 try:
     from triton.experimental import gluon
@@ -235,11 +239,7 @@ if gluon is not None:
     def norm_fwd_smem_kernel(X, W, B, Y, MEAN, RSTD, M, rows_per_prog, eps, N: gl.constexpr, BLOCK: gl.constexpr,
                              IS_RMS: gl.constexpr, HAS_W: gl.constexpr, HAS_B: gl.constexpr,
                              STORE_STATS: gl.constexpr, STAGES: gl.constexpr):
-        # The forward for 16-bit x with fp32 params (the AMP case) on long rows: the Triton kernels
-        # read the params again from L2 for every row (8 bytes an element against x's 4 bytes of
-        # HBM); here each program reads them once into shared memory and walks its rows through a
-        # cp.async ring, as the backward above. Three passes over the row in shared memory: the
-        # mean, the centred sum of squares (as the Triton kernels, not one-pass moments), the output.
+        # (see the module docstring) BLOCK: 8192 or 16384 columns, 2 or 4 chunks of a thread
         NW: gl.constexpr = gl.num_warps()
         CH: gl.constexpr = 8 * 32 * NW  # 8 contiguous elements (16 bytes) a thread per chunk
         layout: gl.constexpr = gl.BlockedLayout([8], [32], [NW], [0])
