@@ -20,8 +20,10 @@ Candidates, pruned as pointless on an H200 (sm_90 ptxas, Triton 3.8):
           of x/dy loads in flight per SM.
   gluon:  the Gluon backward (ampkernels/triton/layer_norm_gluon.py; off by default in the
           library, tln.GLUON) where this Triton has Gluon and the call is one it takes.
-At N = 16384: 57 configs per case, 456 in all; about 3 minutes with compiles; --budget-s caps it.
---gluon-ab times only the library's choice and the Gluon backward (the A/B that decides its default).
+  cuda:   the CUDA backend's backward, for reference (not a Triton launch).
+At N = 16384: 58 configs per case, 464 in all; about 3 minutes with compiles; --budget-s caps it.
+--gluon-ab times only the library's choice, the Gluon backward and the CUDA backend's (the A/B that
+decides the Gluon backward's default).
 
     GPU_TESTS=none GPU_BENCH=none GPU_PROBE=scripts/norm_bwd_sweep.py PROBE_ARGS="16384" bash scripts/gpu_run.sh
     python scripts/norm_bwd_sweep.py [N] [--out DIR] [--budget-s 230] [--gluon-ab]
@@ -64,11 +66,14 @@ def candidates(tln, n, xdy, smem, smoke):
 
 
 GLUON = "gluon"  # the candidate that runs the library's RELOAD config with tln.GLUON on
+CUDA = "cuda"    # the CUDA backend's backward (torch.ops.ampkernels.norm_bwd_cuda), for reference
 
 
 def label(cfg):
     if cfg == GLUON:
         return "gluon (layer_norm_gluon.py)"
+    if cfg == CUDA:
+        return "cuda backend (reference)"
     block, rows, warps, per_sm, looped, stages = cfg
     return f"{'looped' if looped else 'reg'} {block}x{rows} w{warps} p{per_sm} s{stages}"
 
@@ -99,6 +104,9 @@ def run_case(tln, op, dtype, pdtype, n, m, dev, cands, case_end, smoke):
                 torch.full((0 if is_rms else n,), math.nan, device=dev, dtype=pdtype))
 
         def launch(cfg=cfg, outs=outs):
+            if cfg == CUDA:  # its outputs are its own: copied into outs (the copy is not timed below)
+                return torch.ops.ampkernels.norm_bwd_cuda(dy, x, w, mean, rstd, None, is_rms, True, not is_rms,
+                                                          dtype, None, pdtype)
             if cfg != GLUON:
                 tln._bwd_launch(cfg, dy, x, w, mean, rstd, None, is_rms, True, not is_rms, *outs)
                 return
@@ -112,7 +120,10 @@ def run_case(tln, op, dtype, pdtype, n, m, dev, cands, case_end, smoke):
             finally:
                 tln.GLUON = False
         try:
-            launch()
+            got = launch()
+            if cfg == CUDA:
+                for o, g in zip(outs, got):
+                    o.copy_(g)
             checks = [close(outs[0], ref[0], 1e-2)] + [close(outs[k], ref[k], tol) for k in ((2,) if is_rms else (2, 3))]
             if not all(ok for ok, _ in checks):
                 rows.append((-1.0, cfg, "MISMATCH max |err| dx/dw/db " + " ".join(f"{e:.3g}" for _, e in checks)))
@@ -145,8 +156,8 @@ def main():
     cases = [(op, dt, pd) for op in ("layer_norm", "rms_norm") for dt in ((torch.float16,) if smoke else
              (torch.bfloat16, torch.float16)) for pd in (dt, torch.float32)]
     cands, pruned = candidates(tln, n, 4, tln._smem_per_program(dev), smoke)
-    if not smoke:  # (no Gluon interpreter)
-        cands, pruned = ([GLUON], pruned + len(cands)) if args.gluon_ab else (cands + [GLUON], pruned)
+    if not smoke:  # (no Gluon interpreter, no CUDA extension on CPU tensors)
+        cands, pruned = ([GLUON, CUDA], pruned + len(cands)) if args.gluon_ab else (cands + [GLUON, CUDA], pruned)
     env = environment()
     results, tried, failed, skipped, t_end = {}, 0, 0, 0, time.time() + args.budget_s
     with probe_log(os.path.join(args.out, "norm-bwd-sweep.log")) as say:
