@@ -7,7 +7,8 @@ compiled extension's schemas and its error for CPU tensors.
 GPU tier (`pytest -m gpu`): cuda, triton and torch for every dtype x param dtype, N from 1
 to 65536, large-mean and all-zero rows, strided and misaligned views, 3-D input, residual
 paths, out_dtype, autocast, bitwise determinism of the param grads, torch.compile, CUDA-graph
-capture, opcheck, NaN/Inf, empty batches, and a tensor over 2^31 elements.
+capture, opcheck, NaN/Inf, empty batches, and a tensor over 2^31 elements; the opt-in Gluon
+kernels (ampkernels/triton/layer_norm_gluon.py) the same way (their gates on the CPU tier).
 
 Tolerances (tests/utils.py TOL): relative Frobenius error vs float64, fp16 1e-3, bf16 8e-3,
 fp32 1e-5; gradients factor 2 (one more rounding of dx, sums over many rows).
