@@ -617,9 +617,9 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     gluon_per_sm = _gluon_fwd_programs_per_sm(x, weight, bias, residual) if wide_params and N > 4096 else 0
     with on_device(x):
         if gluon_per_sm:
-            progs = min(M, _sms(x.device) * gluon_per_sm)
-            launch(_gluon.norm_fwd_smem_kernel, (progs,), x, ptrs[2], ptrs[3], out, ptrs[6], ptrs[7], M, cdiv(M, progs),
-                   eps, N=N, BLOCK=_gluon.fwd_block(N), IS_RMS=is_rms, HAS_W=True, HAS_B=bias is not None,
+            rows_per_prog = cdiv(M, min(M, _sms(x.device) * gluon_per_sm))
+            launch(_gluon.norm_fwd_smem_kernel, (cdiv(M, rows_per_prog),), x, ptrs[2], ptrs[3], out, ptrs[6], ptrs[7], M,
+                   rows_per_prog, eps, N=N, BLOCK=_gluon.fwd_block(N), IS_RMS=is_rms, HAS_W=True, HAS_B=bias is not None,
                    STORE_STATS=want_stats, STAGES=_gluon.STAGES, num_warps=_gluon.NUM_WARPS)
         elif chunked:
             chunk, chunk_warps, unroll = chunked
