@@ -614,7 +614,7 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     wide_params = _wide_params(x, weight)
     block, rows, warps, params_first = _fwd_config(N, wide_params)
     chunked = _fwd_chunked(block, is_rms, wide_params)
-    gluon_per_sm = _gluon_fwd_programs_per_sm(x, weight, bias, residual) if wide_params and N > 4096 else 0
+    gluon_per_sm = _gluon_fwd_programs_per_sm(x, weight, bias, residual)
     with on_device(x):
         if gluon_per_sm:
             rows_per_prog = cdiv(M, min(M, _sms(x.device) * gluon_per_sm))
@@ -711,9 +711,8 @@ def _gluon_fwd_programs_per_sm(x, weight, bias, residual):
         return 0
     block = _gluon.fwd_block(x.shape[1])
     need = _gluon.fwd_smem_bytes(block, x.element_size(), 1 + (bias is not None)) + _SMEM_MARGIN
-    if need > _smem_per_program(x.device):
-        return 0
-    return 2 if 2 * need <= _smem_per_program(x.device) else 1  # (an SM has a little more than a block)
+    smem = _smem_per_program(x.device)
+    return 0 if need > smem else 2 if 2 * need <= smem else 1  # (an SM has a little more than a block)
 
 
 def _smaller_bwd_config(cfg, x, dy, weight):
@@ -743,12 +742,11 @@ def _bwd_launch(cfg, dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dwei
     partials = torch.empty((want_dweight + want_dbias, progs, N), dtype=torch.float32, device=x.device)
     dw_p = partials[0] if want_dweight else dummy
     db_p = partials[-1] if want_dbias else dummy
+    head = (dy, x, dummy if weight is None else weight, rstd if is_rms else mean, rstd)
     if gluon_bwd:
-        args = (dy, x, dummy if weight is None else weight, rstd if is_rms else mean, rstd, dx, dw_p, db_p, M,
-                rows_per_prog)
+        args = (*head, dx, dw_p, db_p, M, rows_per_prog)
     else:
-        args = (dy, x, dummy if weight is None else weight, rstd if is_rms else mean, rstd,
-                dummy if dresidual_out is None else dresidual_out, dx, dres if dres.numel() else dummy,
+        args = (*head, dummy if dresidual_out is None else dresidual_out, dx, dres if dres.numel() else dummy,
                 dw_p, db_p, M, N, rows_per_prog)
     sum_args = ()
     if partials.shape[0]:

@@ -166,9 +166,7 @@ if gluon is not None:
         MASKED: gl.constexpr = N != _BLOCK_N
         pid = gl.program_id(0)
         cols = gl.arange(0, CH, layout=layout)
-        # the same columns a thread, as one row: chunk k of thread t is columns k * CH + 8t ..
-        row_layout: gl.constexpr = gl.BlockedLayout([CH // (32 * NW)], [32], [NW], [0])
-        row_cols = gl.arange(0, _BLOCK_N, layout=row_layout)
+        row_cols = gl.arange(0, _BLOCK_N, layout=layout)  # chunk k of thread t: columns k * CH + 8t ..
         row_start = pid.to(gl.int64) * rows_per_prog  # int64 rows: row * N may pass 2^31
         row_end = gl.minimum(row_start + rows_per_prog, M)
         last = row_end - 1  # rows past it are clamped to it: the ring's tail copies need no predicate
