@@ -53,10 +53,9 @@ ext_modules, cmdclass = extension_build()
 setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    # csrc/ travels inside the package so that the first-use build finds it; benchmarks/
-    # too, so that `ampkernels bench` works from an installed package.
-    packages=["ampkernels", "ampkernels.ops", "ampkernels.triton", "ampkernels.nn", "ampkernels.csrc",
-              "ampkernels.benchmarks"],
-    package_dir={"ampkernels.csrc": "csrc", "ampkernels.benchmarks": "benchmarks"},
+    # csrc/ travels inside the package so that the first-use build finds it
+    packages=["ampkernels", "ampkernels.ops", "ampkernels.triton", "ampkernels.nn", "ampkernels.bench",
+              "ampkernels.csrc"],
+    package_dir={"ampkernels.csrc": "csrc"},
     package_data={"ampkernels.csrc": ["*.cu", "*.cpp", "*.h", "*.cuh"]},
 )

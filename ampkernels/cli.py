@@ -10,13 +10,7 @@ USAGE = """usage: ampkernels {doctor,bench} [options]
 
 
 def _bench_main():
-    """benchmarks/run.py: installed as ampkernels.benchmarks, or beside the package in a checkout."""
-    try:
-        from .benchmarks.run import main
-    except ImportError:
-        import os
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from benchmarks.run import main
+    from .bench.run import main
     return main
 
 

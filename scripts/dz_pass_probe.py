@@ -10,7 +10,7 @@ import os
 import torch
 
 from ampkernels import _extension
-from ampkernels.benchmarks.common import bench, graph_replay_ms, probe_log
+from ampkernels.bench.common import bench, graph_replay_ms, probe_log
 from ampkernels.nn import FusedMLP
 from ampkernels.reference import activation_id
 from ampkernels.triton import cdiv

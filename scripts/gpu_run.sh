@@ -13,7 +13,7 @@
 # "hopper or pingpong or tma or ..." every GPU test of the files ran, presumably as a directory of
 # the device's copy is named like one of them (env.txt records the path); use words only test
 # names have); the 15 slowest tests are listed at the end of tests.log; GPU_BENCH: benchmark ops
-# (benchmarks/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
+# (ampkernels/bench/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows; set it literally, from this side's git (the
 # copy's .git HEAD may not be the copied tree: at 8bc7e59..4ce559d a $(git rev-parse) run on the
 # device gave c2c6bb7 every time).
@@ -88,7 +88,7 @@ fi
 norm_tune() {
   local d
   for d in float16 bfloat16; do
-    $PY -m benchmarks.bench_layer_norm --sweep --sweep-pass fwd --dtype $d --out "$OUT/norm-sweep-$d" || return
+    $PY -m ampkernels.bench.bench_layer_norm --sweep --sweep-pass fwd --dtype $d --out "$OUT/norm-sweep-$d" || return
     cat "$OUT/norm-sweep-$d/results.jsonl" >>"$OUT/norm-sweep.jsonl" && rm -rf "$OUT/norm-sweep-$d"
   done
 }

@@ -12,7 +12,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ampkernels.benchmarks.common import graph_replay_ms, probe_log
+from ampkernels.bench.common import graph_replay_ms, probe_log
 from ampkernels.reference import ACTIVATIONS
 from ampkernels.triton import linear_act as tla
 

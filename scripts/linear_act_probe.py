@@ -15,7 +15,7 @@ import functools
 import sys
 
 import torch
-from ampkernels.benchmarks.common import graph_replay_ms, host_profile, top_host_functions
+from ampkernels.bench.common import graph_replay_ms, host_profile, top_host_functions
 from triton.testing import do_bench
 
 import ampkernels

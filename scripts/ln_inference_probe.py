@@ -14,7 +14,7 @@ import os
 import sys
 
 import torch
-from ampkernels.benchmarks.common import environment, probe_log
+from ampkernels.bench.common import environment, probe_log
 
 from ampkernels import _extension, reference
 from ampkernels.triton import layer_norm as tln

@@ -14,7 +14,7 @@ import os
 import torch
 
 from ampkernels import _extension
-from ampkernels.benchmarks.common import graph_replay_ms, probe_log
+from ampkernels.bench.common import graph_replay_ms, probe_log
 from ampkernels.ops import linear_act as la
 from ampkernels.reference import activation_id
 from ampkernels.triton import linear_act as tla

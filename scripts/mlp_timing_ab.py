@@ -1,6 +1,6 @@
 """Does timing the MLP block's providers one after the other or in interleaved rounds change
 their times? At 7d4dbb7, interleaved rounds measured ampkernels' providers at T=16384 H=1024
-9-65% slower than benchmarks/bench_mlp.py's sequential timing while eager's rows matched
+9-65% slower than ampkernels/bench/bench_mlp.py's sequential timing while eager's rows matched
 (benchmarks/results/h200-2026-12-01-7d4dbb7-mlp-interleaved-report.txt). This times, in one
 process, the same providers (bench_mlp._providers, each in its own environment):
 
@@ -20,8 +20,8 @@ import os
 import statistics
 
 import torch
-from ampkernels.benchmarks.bench_mlp import _providers, make_step, provider_env
-from ampkernels.benchmarks.common import bench, probe_log
+from ampkernels.bench.bench_mlp import _providers, make_step, provider_env
+from ampkernels.bench.common import bench, probe_log
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("shape", nargs="*", type=int, default=[16384, 1024], help="T H")

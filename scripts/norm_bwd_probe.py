@@ -15,7 +15,7 @@ import sys
 import time
 
 import torch
-from ampkernels.benchmarks.common import bench, graph_replay_ms, host_profile, top_host_functions
+from ampkernels.bench.common import bench, graph_replay_ms, host_profile, top_host_functions
 
 import ampkernels
 from ampkernels.triton import launch as tlaunch

@@ -38,7 +38,7 @@ import time
 if "--cpu-smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined
 import torch
-from ampkernels.benchmarks.common import environment, graph_replay_ms, probe_log
+from ampkernels.bench.common import environment, graph_replay_ms, probe_log
 
 
 def candidates(tln, n, xdy, smem, smoke):

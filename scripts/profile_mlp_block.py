@@ -21,7 +21,7 @@ import os
 import sys
 
 import torch
-from ampkernels.benchmarks.common import host_profile
+from ampkernels.bench.common import host_profile
 from torch.profiler import ProfilerActivity, profile
 
 import ampkernels.nn as aknn

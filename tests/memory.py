@@ -11,7 +11,7 @@ counted with its storage's nbytes until that storage dies (a weakref finalizer o
 object, which torch keeps alive exactly as long as the storage) or is resized (checked before
 every op: fused_mlp's backward frees its saved pre-activation with resize_(0)). `peak` is the most bytes
 alive after any op: the CPU stand-in for torch.cuda.max_memory_allocated() minus
-memory_allocated() before the step, as benchmarks/bench_mlp.py measures it on the GPU.
+memory_allocated() before the step, as ampkernels/bench/bench_mlp.py measures it on the GPU.
 
 What it does not see, and why that is fine for comparing blocks:
 - storages created before it started (inputs, parameters, existing .grad): the base;
@@ -30,8 +30,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from benchmarks.bench_mlp import fused_block_state_dict
-from benchmarks.common import cuda_step_peak
+from ampkernels.bench.bench_mlp import fused_block_state_dict
+from ampkernels.bench.common import cuda_step_peak
 
 
 @dataclass
@@ -165,7 +165,7 @@ class KernelLikeLayerNorm(torch.autograd.Function):
 def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_tanh", backend=None, ln="kernel",
                    seed=0, device="cpu"):
     """(step, unit): one training step of y = x + MLP(LayerNorm(x)), loss = mean(y^2), x fp32,
-    as benchmarks/bench_mlp.py runs it on the GPU. unit = tokens * hidden * dtype's itemsize,
+    as ampkernels/bench/bench_mlp.py runs it on the GPU. unit = tokens * hidden * dtype's itemsize,
     the size of one (T, H) activation in the compute dtype; the hidden tensors are 4 units.
 
     kind "eager": nn.LayerNorm -> Linear -> act -> Linear under autocast, autograd saving what

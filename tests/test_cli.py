@@ -62,7 +62,7 @@ def test_bench_cpu_demo(tmp_path):
 
 
 def test_bench_shape_lists():
-    from benchmarks.run import _shapes_for
+    from ampkernels.bench.run import _shapes_for
     specs = ["768", "4096x768x3072", "16384x1024", "1536"]
     assert _shapes_for("bench_layer_norm", specs) == [768, 1536]
     assert _shapes_for("bench_linear_act", specs) == [(4096, 768, 3072)]
@@ -70,7 +70,7 @@ def test_bench_shape_lists():
     assert _shapes_for("bench_e2e", specs) is None and _shapes_for("bench_mlp", None) is None
 
 
-# ---------------------------------------------------------------- public providers (benchmarks/providers.py)
+# ---------------------------------------------------------------- public providers (ampkernels/bench/providers.py)
 # Fake libraries stand in for the real ones: modules in sys.modules that expose what each
 # adapter calls, implemented with torch ops, so that discovery, rows and error rows are
 # checked on the CPU in CI (where none of the real ones is installed).
@@ -137,14 +137,14 @@ def _fake_apex():
 
 
 def _norm_bench(monkeypatch):
-    from benchmarks import bench_layer_norm as bln
+    from ampkernels.bench import bench_layer_norm as bln
     monkeypatch.setattr(bln, "TOTAL", 2**12)
     monkeypatch.setattr(bln, "QUICK_NS", (64, 128))
     return bln
 
 
 def test_no_public_provider_installed(monkeypatch):
-    from benchmarks import providers
+    from ampkernels.bench import providers
     _only(monkeypatch)
     assert providers.discover() == []
     assert set(providers.why_not) == {"liger", "quack", "apex", "flash_attn"}
@@ -152,8 +152,8 @@ def test_no_public_provider_installed(monkeypatch):
 
 
 def test_public_provider_rows_beside_ours(monkeypatch, capsys):
-    from benchmarks import providers
-    from benchmarks.common import Recorder
+    from ampkernels.bench import providers
+    from ampkernels.bench.common import Recorder
     _only(monkeypatch, **_fake_liger(), **_fake_quack())
     found = providers.discover()
     assert [(p.name, p.version) for p in found] == [("liger", "9.9-fake"), ("quack", "0.0-fake")]
@@ -178,7 +178,7 @@ def test_public_provider_rows_beside_ours(monkeypatch, capsys):
 
 
 def test_quack_layer_norm_forward_and_backward_match_torch(monkeypatch):
-    from benchmarks import providers
+    from ampkernels.bench import providers
     _only(monkeypatch, **_fake_quack())
     ln = providers.quack().ops["layer_norm"]
     assert ln.bwd and ln.fp32_params
@@ -194,7 +194,7 @@ def test_quack_layer_norm_forward_and_backward_match_torch(monkeypatch):
 
 
 def test_raising_provider_gives_error_rows_and_the_run_goes_on(monkeypatch):
-    from benchmarks.common import Recorder
+    from ampkernels.bench.common import Recorder
     _only(monkeypatch, **_fake_liger(fail_layer_norm=True))
     bln = _norm_bench(monkeypatch)
     rec = Recorder(None)
@@ -208,9 +208,9 @@ def test_raising_provider_gives_error_rows_and_the_run_goes_on(monkeypatch):
 
 
 def test_public_linear_act_rows(monkeypatch):
-    from benchmarks import bench_linear_act as bl
-    from benchmarks import providers
-    from benchmarks.common import Recorder
+    from ampkernels.bench import bench_linear_act as bl
+    from ampkernels.bench import providers
+    from ampkernels.bench.common import Recorder
     _only(monkeypatch, **_fake_apex())
     (apex,) = providers.discover()
     assert apex.name == "apex" and set(apex.ops) == {"linear_act"}  # no fused_layer_norm_cuda: no norms
@@ -228,8 +228,8 @@ def test_public_linear_act_rows(monkeypatch):
 
 
 def test_reports_name_the_best_public_provider():
-    from benchmarks import bench_layer_norm as bln
-    from benchmarks import bench_linear_act as bl
+    from ampkernels.bench import bench_layer_norm as bln
+    from ampkernels.bench import bench_linear_act as bl
 
     def norm(provider, value, **extra):
         return dict(op="layer_norm", provider=provider, dtype="bfloat16", N=1024, metric="TB/s", value=value,
@@ -257,26 +257,26 @@ def test_linear_act_auto_table_is_what_its_source_run_gives():
     # ampkernels/ops/linear_act.py's "auto" table, recomputed by its rule from the H200 run it
     # names: a hand edit of the table, or of the rule, shows here
     from ampkernels.ops import linear_act as la
-    from benchmarks import bench_linear_act as bl
+    from ampkernels.bench import bench_linear_act as bl
     with open(os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-9836fa4-linear-act.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert bl.auto_table(rows) == la._MEASURED
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_linear_act", "--auto-table",
+    out = subprocess.run([sys.executable, "-m", "ampkernels.bench.bench_linear_act", "--auto-table",
                           os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-9836fa4-linear-act.jsonl")],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert '(torch.float16, "medium", False): (_C, _C, _T, _E),' in out and len(out.splitlines()) == 12
     # several runs: their times add up; one run given twice is its own mean
-    twice = subprocess.run([sys.executable, "-m", "benchmarks.bench_linear_act", "--auto-table"] + 2 * [
+    twice = subprocess.run([sys.executable, "-m", "ampkernels.bench.bench_linear_act", "--auto-table"] + 2 * [
         os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-9836fa4-linear-act.jsonl")],
         cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert twice == out
 
 
 def test_linear_act_plot_panels(tmp_path):
-    # benchmarks/plot.py: one panel per (activation, pass, dtype), bars per provider, the plain
+    # ampkernels/bench/plot.py: one panel per (activation, pass, dtype), bars per provider, the plain
     # matmul as a line; providers missing from a panel leave it, not the figure
     pytest.importorskip("matplotlib")
-    from benchmarks import plot
+    from ampkernels.bench import plot
 
     rows = [dict(op="linear_act", provider=p, activation=a, dtype=d, M=m, K=k, N=n, metric="TFLOP/s", value=v,
                  gpu="cpu", torch="t", triton="tr", commit="abc", **{"pass": s})

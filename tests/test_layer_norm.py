@@ -549,11 +549,11 @@ def test_triton_bwd_config_stages_and_fit(monkeypatch):
 
 
 def test_bench_sweep_times_the_default_and_the_previous_bwd_launch(monkeypatch):
-    """benchmarks/bench_layer_norm.py --sweep: for every benchmark N, the default backward config
+    """ampkernels/bench/bench_layer_norm.py --sweep: for every benchmark N, the default backward config
     and the launch before the pipelining (AMPKERNELS_TRITON_NORM_BWD_STAGES=1) side by side."""
     pytest.importorskip("triton")
     from ampkernels.triton import layer_norm as tln
-    from benchmarks import bench_layer_norm as bench
+    from ampkernels.bench import bench_layer_norm as bench
     monkeypatch.delenv(tln._STAGES_ENV, raising=False)
     try:
         want = {}
@@ -613,7 +613,7 @@ def test_bench_sweep_fwd_covers_the_default_for_both_param_dtypes():
     with 16-bit and with fp32 params, beside the several-rows-a-step alternatives."""
     pytest.importorskip("triton")
     from ampkernels.triton import layer_norm as tln
-    from benchmarks import bench_layer_norm as bench
+    from ampkernels.bench import bench_layer_norm as bench
     cases = bench._sweep_cases(bench.NS, ("fwd",))
     assert all(c[1] == "fwd" and len(c[4]) == 4 for c in cases)
     for n in bench.SWEEP_FWD_W32:

@@ -637,8 +637,8 @@ def test_cuda_and_triton_act_grad_share_their_constants():
 
 def test_benchmark_runs_and_reports(monkeypatch, tmp_path):
     # the benchmark's code path on tiny CPU shapes (numbers meaningless), then its report
-    from benchmarks import bench_linear_act as bl
-    from benchmarks.common import Recorder
+    from ampkernels.bench import bench_linear_act as bl
+    from ampkernels.bench.common import Recorder
     monkeypatch.setattr(bl, "SHAPES", [(32, 32, 32)])
     monkeypatch.setattr(bl, "ACTIVATIONS", ("gelu_tanh",))
     monkeypatch.setattr(bl, "COMPILE_SHAPE", (0, 0, 0))

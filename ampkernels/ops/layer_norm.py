@@ -175,7 +175,7 @@ def _preference(x, n, pas="fwd", param_dtype=None):
 
     Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
     the forward on one and the backward on the other. The order comes from the H200 norm
-    benchmark (benchmarks/bench_layer_norm.py; fp16 and bf16, M*N = 2^27, N = 768..16384), last at
+    benchmark (ampkernels/bench/bench_layer_norm.py; fp16 and bf16, M*N = 2^27, N = 768..16384), last at
     8adf50d (benchmarks/results/h200-2026-12-01-8adf50d-norms.jsonl; the runs at 065571a, 51fa175,
     4ce559d, 7672746, 9692629 and 58695ad gave the same order):
     - forward, params in x's dtype: Triton, 3.98-4.18 TB/s against CUDA's 3.78-4.09, ahead at

@@ -223,11 +223,11 @@ class LinearActFunction(torch.autograd.Function):
 # ---------------------------------------------------------------- "auto"
 
 # "auto": backends to try, fastest first, per (compute capability major, dtype, activation,
-# shape bucket, training). Filled from one full H200 run of benchmarks/bench_linear_act.py
+# shape bucket, training). Filled from one full H200 run of ampkernels/bench/bench_linear_act.py
 # (commit 9836fa4, benchmarks/results/h200-2026-12-01-9836fa4-linear-act.jsonl): per cell the
 # fastest of cuda / triton / torch (eager F.linear + activation) over the bucket's shapes, times
 # summed; a fused kernel within 1% of eager counts as a tie and is kept. That rule is benchmarks/
-# bench_linear_act.py's auto_table (`python -m benchmarks.bench_linear_act --auto-table FILE [FILE ...]`
+# bench_linear_act.py's auto_table (`python -m ampkernels.bench.bench_linear_act --auto-table FILE [FILE ...]`
 # prints the rows below from a run; tests/test_cli.py checks them against 9836fa4's).
 # Buckets by M*N*K: "small" < 2^34 (4096x768x3072), "medium" < 2^37 (8192x1024x4096), "large"
 # (8192x4096x{4096,16384}).

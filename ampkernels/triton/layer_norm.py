@@ -398,7 +398,7 @@ def _smem_per_program(device):
     return getattr(p, "shared_memory_per_block_optin", 0) or p.shared_memory_per_block
 
 
-# Launch configurations. Measured BEFORE the pipelined backward (benchmarks/bench_layer_norm.py
+# Launch configurations. Measured BEFORE the pipelined backward (ampkernels/bench/bench_layer_norm.py
 # --sweep at d776080, H200, fp16 LayerNorm, M*N = 2^27, launcher alone; rows in
 # benchmarks/results/h200-layer_norm-sweep-2026-11-30.jsonl): forward best at ROWS=4/4 warps for
 # N=768 (3.85 TB/s vs 3.46 with ROWS=2), 1 row/4 warps at 2048 (4.08), 8 warps at 8192 (3.75),

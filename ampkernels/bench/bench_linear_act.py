@@ -13,7 +13,7 @@ Passes: "fwd" = inference (no grad, nothing saved); "fwd_bwd" = training forward
 error of each provider's output against an fp32 reference, and the bytes each provider keeps
 alive after a training forward (saved tensors + output).
 
-    python -m benchmarks.bench_linear_act --out DIR [--quick]
+    python -m ampkernels.bench.bench_linear_act --out DIR [--quick]
 """
 import functools
 import os
@@ -172,7 +172,7 @@ def run(recorder, dtypes, quick, device="cuda", shapes=None):
     from ampkernels import reference
 
     if device == "cuda" and not torch.cuda.is_available():
-        print("bench_linear_act: no CUDA device; nothing measured (see benchmarks/run.py for the CPU demo)")
+        print("bench_linear_act: no CUDA device; nothing measured (see ampkernels/bench/run.py for the CPU demo)")
         return
     dev, public = device, providers.discover(OP)
     # one case per (dtype, shape, activation, provider, pass), in the order measured: progress counts these
@@ -344,7 +344,7 @@ def _print_auto_table(paths):
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:2] == ["--auto-table"]:  # python -m benchmarks.bench_linear_act --auto-table RUN.jsonl [RUN2.jsonl ...]
+    if sys.argv[1:2] == ["--auto-table"]:  # python -m ampkernels.bench.bench_linear_act --auto-table RUN.jsonl [RUN2.jsonl ...]
         _print_auto_table(sys.argv[2:])
         raise SystemExit(0)
     raise SystemExit(standalone_main("linear_act", __doc__, run, report))

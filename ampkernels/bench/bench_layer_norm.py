@@ -14,8 +14,8 @@ Bytes (as ../shared/baselines): fwd = x read + y written, bwd = x and dy read + 
 all at x's element size (so the autocast rows are "TB/s-equivalent"). Backward is timed alone
 (retain_graph, grads set to None between runs). Rows: TB/s with median/p20/p80 ms.
 
-    python -m benchmarks.bench_layer_norm --out DIR [--quick]
-    python -m benchmarks.bench_layer_norm --out DIR --sweep [--dtype bfloat16] [--sweep-pass bwd|fwd|both]
+    python -m ampkernels.bench.bench_layer_norm --out DIR [--quick]
+    python -m ampkernels.bench.bench_layer_norm --out DIR --sweep [--dtype bfloat16] [--sweep-pass bwd|fwd|both]
         Triton launch configurations alone (metric TB/s-sweep); see SWEEP_BWD
 """
 import collections

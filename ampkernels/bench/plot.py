@@ -1,6 +1,6 @@
 """Plots from benchmark rows (results.jsonl): one PNG per op, ceilings drawn.
 
-    python -m benchmarks.plot benchmarks/results/h200.jsonl benchmarks/results/
+    python -m ampkernels.bench.plot benchmarks/results/h200.jsonl benchmarks/results/
 
 - norms (metric TB/s): bandwidth vs N per provider, one panel per (pass, dtype), with the
   copy bandwidth measured in the same run as a dashed line;

@@ -1,7 +1,7 @@
 """`ampkernels bench`: run benchmark modules side by side, write rows, report targets, plot.
 
     ampkernels bench --op layer_norm linear_act --dtype float16 --quick --out results/
-    python -m benchmarks.run --op all            # the same, from a source checkout
+    python -m ampkernels.bench.run --op all            # the same, from a source checkout
 
 Each op's module (bench_<module>.py) has run(recorder, dtypes, quick) and report(rows).
 Public kernels (Liger-Kernel, QuACK, Apex, flash-attn's Triton norms) are measured beside

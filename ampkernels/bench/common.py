@@ -37,7 +37,7 @@ def environment():
     env["commit"] = os.environ.get("AMPKERNELS_COMMIT")
     if not env["commit"]:
         try:
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            root = os.path.dirname(os.path.abspath(__file__))
             env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                            text=True, timeout=10, check=False).stdout.strip() or "unknown"
         except (OSError, subprocess.SubprocessError):
@@ -220,7 +220,7 @@ def progress(cases, desc, label=str):
 
 
 def standalone_main(name, doc, run, report, argv=None, extra_args=None, special=None):
-    """`python -m benchmarks.<name> --out DIR [--quick] [--dtype ...]` for one benchmark module.
+    """`python -m ampkernels.bench.<name> --out DIR [--quick] [--dtype ...]` for one benchmark module.
 
     extra_args(parser) adds module options; special(args, recorder) may handle them and
     return True to skip the standard run. Prints the report and writes report_<name>.txt.

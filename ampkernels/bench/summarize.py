@@ -1,6 +1,6 @@
 """Markdown tables from benchmark rows, for README (claims point at these rows).
 
-    python -m benchmarks.summarize benchmarks/results/*.jsonl
+    python -m ampkernels.bench.summarize benchmarks/results/*.jsonl
 """
 import collections
 import json
