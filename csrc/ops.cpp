@@ -276,8 +276,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
   a.x_dtype = to_dtype(x.scalar_type(), op, "x");
   a.param_dtype = a.x_dtype;
   if (weight) {
-    check_param(*weight, x_in, to_dtype(x_in.scalar_type(), op, "x"), op, "weight");
-    a.param_dtype = to_dtype(weight->scalar_type(), op, "weight");
+    // Any float dtype: the forward took the weight in its x's dtype or fp32, and x here may be
+    // that forward's fp32 residual sum (residual_in_fp32 with 16-bit params). The kernels read
+    // the weight in its own dtype.
+    const DType w_dtype = to_dtype(weight->scalar_type(), op, "weight");
+    check_param(*weight, x_in, w_dtype, op, "weight");
+    a.param_dtype = w_dtype;
   }
   const at::ScalarType grad_param_t = param_dtype.value_or(weight ? weight->scalar_type() : x_in.scalar_type());
   const DType grad_param_dtype = to_dtype(grad_param_t, op, "param_dtype");
