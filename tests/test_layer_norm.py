@@ -826,7 +826,10 @@ def test_compile_fullgraph_cpu(backend):
     fn(*ins).backward()
     block(*ins_ref).backward()
     for a, c in zip(ins, ins_ref):
-        assert torch.equal(a.grad, c.grad)
+        if backend == "torch":  # compiled, "torch" is torch's own norms (traced), eager the reference
+            assert_rel_close(a.grad, c.grad, torch.float32, factor=10, what="grad")
+        else:  # the same kernels both ways
+            assert torch.equal(a.grad, c.grad)
 
 
 needs_ext = pytest.mark.skipif(not _extension.load(), reason=f"extension not built: {_extension.status()[1]}")

@@ -243,3 +243,65 @@ def test_modules_compile_fullgraph_and_checkpoint():
     assert_rel_close(ckpt.float(), eager.float(), torch.bfloat16)
     ckpt.float().sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+# ------------------------------------------------------------------ under torch.compile
+
+def _compiled_ops(fn, *args):
+    """(result of fn compiled fullgraph, the op targets of the graphs inductor was handed)."""
+    targets = []
+
+    def backend(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        def inner(g, ex):
+            targets.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+            return compile_fx(g, ex)
+        from torch._functorch.aot_autograd import aot_module_simplified
+        return aot_module_simplified(gm, example_inputs, fw_compiler=inner, bw_compiler=inner)
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True)(*args), targets
+
+
+def test_auto_hands_the_ops_to_inductor_under_compile(monkeypatch):
+    # the decision itself, on any machine: under torch.compile "auto" prefers torch for every op
+    from ampkernels.ops import layer_norm as ln, linear_act as la, mlp
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    x = torch.randn(4, 8, dtype=torch.float16)
+    assert ln._preference(x, 8, "fwd", torch.float32) == ln._preference(x, 8, "bwd") == ("torch",)
+    assert la._preference(torch.device("cuda"), torch.bfloat16, "gelu_tanh", "large", True) == ("torch",)
+    assert mlp.auto_preference(torch.device("cuda"), torch.bfloat16, "gelu", "large", True) == ("torch",)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_converted_block_compiles_to_inductor_kernels(dtype):
+    # "auto" under torch.compile: no ampkernels op reaches inductor, and the step matches eager
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024), torch.nn.GELU(approximate="tanh"),
+                                torch.nn.Linear(1024, 256), torch.nn.RMSNorm(256)).cuda()
+    ref = copy.deepcopy(block)
+    aknn.convert(block)
+    x = torch.randn(512, 256, device="cuda")
+
+    def step(m, x):
+        with torch.autocast("cuda", dtype=dtype):
+            return m(x).float().square().mean()
+
+    loss, targets = _compiled_ops(lambda x: step(block, x), x)
+    loss.backward()
+    step(ref, x).backward()
+    assert not [t for t in targets if "ampkernels" in t], targets
+    assert any("layer_norm" in t for t in targets)
+    _same_grads(block, ref, dtype, factor=8)
+
+
+@pytest.mark.gpu
+def test_explicit_backend_stays_a_custom_op_under_compile():
+    ln = aknn.LayerNorm(256, backend="cuda").cuda()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, targets = _compiled_ops(lambda x: ln(x).float().sum(), x)
+    out.backward()
+    assert any("ampkernels" in t for t in targets), targets

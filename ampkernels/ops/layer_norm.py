@@ -18,6 +18,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, reference
@@ -191,16 +192,41 @@ def _preference(x, n, pas="fwd", param_dtype=None):
       h200-2026-11-30-c2c6bb7-norm-bwd-probe.log), so its called rate follows host jitter.
     n is the row length; kept in the signature for per-N rules (none today).
 
+    Under torch.compile: "torch", which hands the op to inductor.
+
     Below 2^25 elements the CUDA kernels come first whatever the pass: there a kernel takes less
     GPU time (under ~100 us) than Triton's Python launcher costs the host, and a training step
     made of such calls is host-bound (H200 host profile of the MLP block at 2^24 elements,
     benchmarks/results/h200-2026-11-30-005ac1a-host-profile.txt: ~375 us of host time per
     Triton norm backward call against ~60 us for a call into the extension).
     """
+    if torch.compiler.is_compiling():
+        # inductor gets the op (_traced_norm): in whole compiled training steps our kernels as
+        # opaque custom ops lost to it (docs/performance.md, "Under torch.compile")
+        return ("torch",)
     amp_params = param_dtype == torch.float32 and x.dtype != torch.float32
     if x.numel() < _HOST_BOUND_ELEMENTS or pas == "bwd" or amp_params:
         return ("cuda", "triton")
     return ("triton", "cuda")
+
+
+def _traced_norm(x, shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms):
+    """The op as torch's own norms compute it, for inductor to trace: the same kernels, forward
+    and backward, that it makes of the unconverted model, with the contract's dtypes."""
+    ct = _stat_dtype(x)
+    s = x.to(ct) if residual is None else x.to(ct) + residual.to(ct)
+    w, b = (None if p is None else p.to(ct) for p in (weight, bias))
+    if is_rms:  # the formula Hugging Face's RMSNorms compile to
+        dims = tuple(range(-len(shape), 0))
+        y = s * torch.rsqrt(s.square().mean(dims, keepdim=True) + eps)
+        y = y if w is None else y * w
+    else:
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.layer_norm(s, shape, w, b, eps)
+    out = y.to(out_dtype or x.dtype)
+    if residual is None:
+        return out
+    return out, s.to(torch.float32 if residual_in_fp32 and ct == torch.float32 else x.dtype)
 
 
 def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, backend, is_rms):
@@ -248,6 +274,9 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
     fwd_pref, bwd_pref = _preference(x, n, "fwd", param_dtype), _preference(x, n, "bwd", param_dtype)
     name = backends.select(op, backend, x.device, fwd_pref, unsupported)
     bwd_name = name if bwd_pref == fwd_pref else backends.select(op, backend, x.device, bwd_pref, unsupported)
+
+    if name == bwd_name == "torch" and torch.compiler.is_compiling():
+        return _traced_norm(x, shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms)
 
     # 2-D contiguous views of everything (strided views are copied, never read wrongly); the
     # common cases skip the calls: this runs once per norm per step, on the host's critical path

@@ -280,6 +280,10 @@ def auto_preference(device, dtype, activation, m, n, k, training=False):
 
 
 def _preference(device, dtype, activation, bucket, training):
+    if torch.compiler.is_compiling():
+        # inductor gets F.linear + the activation: as opaque custom ops our kernels cost the
+        # compiled step 200-400 us of host each (docs/performance.md, "Under torch.compile")
+        return ("torch",)
     cc = device_properties(device_index(device)).major if device.type == "cuda" else 0
     pref = _AUTO_TABLE.get((cc, dtype, activation, bucket, training), _AUTO_DEFAULT)
     if torch.are_deterministic_algorithms_enabled():
@@ -347,8 +351,9 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
                                             (bias is not None and bias.requires_grad))
     name = _choose(backend, device, x.dtype, activation, _shape_bucket(m, n, k), training, unsupported)
-    x2, weight = x2.contiguous(), weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
+    if name != "torch" or recompute:  # the kernels take contiguous tensors; F.linear any strides
+        x2, weight = x2.contiguous(), weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
     if training and (name != "torch" or recompute):
         # the Function casts master weights itself, so that their gradients come back in their
         # own dtype straight from the GEMM
@@ -356,9 +361,9 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     else:
         if cast_to is not None:
             weight, bias = weight.to(cast_to), None if bias is None else bias.to(cast_to)
-        if training:
+        if training or name == "torch":
             # the unfused baseline as eager runs it, with torch's own autograd nodes (a C++ GELU
-            # backward, not a Python one): "auto" picks it only where it is the fastest
+            # backward, not a Python one), and what inductor fuses under torch.compile
             y = reference.act_fwd(F.linear(x2, weight, bias), activation)
         else:  # inference: nothing saved, no autograd node
             y, _ = _fwd(x2, weight, bias, activation, False, name)

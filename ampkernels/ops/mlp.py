@@ -171,8 +171,10 @@ def auto_preference(device, dtype, activation, bucket, training):
     MLP benchmark (bf16) this picks what ran faster: Triton at T=8192 H=4096 (11.74-12.15 ms
     against cuda's 11.94-12.70 at 46194bc, c4ef83d, 5ac4a84), cuda at T=16384 H=1024 (2.02-2.07
     against 2.27-2.54, host-bound there)."""
-    return tuple(b for b in _preference(device, dtype, activation, bucket, training) if b != "torch") or \
-        ("cuda", "triton")
+    pref = _preference(device, dtype, activation, bucket, training)
+    if torch.compiler.is_compiling():
+        return pref  # linear_act's decision under torch.compile (inductor gets the block)
+    return tuple(b for b in pref if b != "torch") or ("cuda", "triton")
 
 
 @torch.compiler.assume_constant_result
