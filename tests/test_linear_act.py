@@ -485,6 +485,15 @@ def test_bad_inputs_are_clear_errors():
         ampkernels.linear_act(x, w, b, backend="cublas")
     with pytest.raises(TypeError, match="x must be a Tensor"):
         ampkernels.linear_act(x.tolist(), w, b)
+    ints = torch.randint(-3, 3, (4, 16)), torch.randint(-3, 3, (8, 16))
+    for act in ("identity", "relu", "gelu"):  # torch returned int64 or raised its kernel's error
+        with pytest.raises(TypeError, match="linear_act: x must be a floating-point tensor, got torch.int64"):
+            ampkernels.linear_act(*ints, None, act)
+    with pytest.raises(TypeError, match="linear_act: weight must be a floating-point tensor"):
+        ampkernels.linear_act(x, ints[1], None)
+    from ampkernels.ops.mlp import fused_mlp
+    with pytest.raises(TypeError, match="fused_mlp: x must be a floating-point tensor"):
+        fused_mlp(ints[0], w, b, randn(16, 8), None)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU-only behaviour")

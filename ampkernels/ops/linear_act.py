@@ -316,6 +316,9 @@ def _check_args(x, weight, bias):
                          f"(weight shape {tuple(weight.shape)}), got x shape {tuple(x.shape)}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"linear_act: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"linear_act: {name} must be a floating-point tensor, got {t.dtype}")
     dev = x.device
     if weight.device != dev:
         raise ValueError(f"linear_act: weight is on {weight.device} but x is on {dev}")

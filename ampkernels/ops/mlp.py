@@ -189,6 +189,9 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
     tensor for backward. Under CUDA autocast, inputs are cast to the autocast dtype as
     F.linear casts them; fp32 without autocast, CPU tensors and other dtypes run eager torch."""
     reference.activation_id(activation)
+    for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"fused_mlp: {name} must be a floating-point tensor, got {t.dtype}")
     if x.shape[-1] != w1.shape[1] or w2.shape[1] != w1.shape[0]:
         raise ValueError(f"shapes do not chain: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} "
                          "(need x[..., K], w1 (H, K), w2 (N, H))")
