@@ -4,7 +4,7 @@ They are the test oracle, the CPU path and the fallback for inputs a kernel does
 take. All math is fp32 (or float64 when the input is float64, for tests); nothing here
 depends on autocast being on or off.
 
-Contract (../shared/DESIGN.md, "Op semantics"):
+Contract (docs/design.md, "Op semantics"):
 - layer_norm / rms_norm: statistics and normalisation in fp32; output in x.dtype unless
   out_dtype says otherwise; mean/rstd in fp32. With a residual: s = x + residual (in fp32),
   out = norm(s) of that fp32 sum, and s is returned in fp32 when residual_in_fp32 else in

@@ -47,20 +47,6 @@ def test_triton_interpreter_cpu(activation):
     _check("triton", activation, torch.float16, "cpu", m=19, factor=4)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: Triton interpreter")
-@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
-def test_triton_fused_dgrad_interpreter_cpu(activation, monkeypatch):
-    # AMPKERNELS_TRITON_FUSED_DGRAD=1: dz1 = (dout @ w2) * act'(pre) and db1 from one GEMM
-    from ampkernels.triton import linear_act as tk
-    monkeypatch.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", "1")
-    calls = []
-    original = tk.matmul_act_grad
-    monkeypatch.setattr(tk, "matmul_act_grad", lambda *a: calls.append(a) or original(*a))
-    _check("triton", activation, torch.float16, "cpu", m=19, factor=4)
-    _check("triton", activation, torch.float16, "cpu", bias=False, m=1, factor=4)
-    assert len(calls) == 2
-
-
 def test_no_bias_cpu():
     _check("torch", "gelu", torch.float32, "cpu", bias=False, factor=10)
 
@@ -299,22 +285,6 @@ def test_act_backward_in_place_gpu(activation):
 def test_kernels_gpu(backend, dtype, activation):
     _check(backend, activation, dtype, "cuda", factor=4)
     _check(backend, activation, dtype, "cuda", bias=False, m=1, factor=4)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_triton_fused_dgrad_gpu(dtype, monkeypatch):
-    from ampkernels.triton import linear_act as tk
-    if not tk.tma_enabled(torch.device("cuda")):
-        pytest.skip("TMA needs compute capability 9.0+")
-    monkeypatch.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", "1")
-    calls = []
-    original = tk.matmul_act_grad
-    monkeypatch.setattr(tk, "matmul_act_grad", lambda *a: calls.append(a) or original(*a))
-    for activation in reference.ACTIVATIONS[1:]:
-        _check("triton", activation, dtype, "cuda", factor=4)
-        _check("triton", activation, dtype, "cuda", bias=False, m=1, factor=4)
-    assert len(calls) == 2 * (len(reference.ACTIVATIONS) - 1)
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ Providers, per op (layer_norm, rms_norm), dtype and N (M = 2^27 / N rows):
   ampkernels-<backend>-autocast   the same under autocast with fp32 params (the AMP case)
   liger, quack, apex, flash_attn  public kernels, each when it imports (providers.py), params
                          in x.dtype (fp32 where the kernel takes only fp32: param_dtype in the row)
-Bytes (as ../shared/baselines): fwd = x read + y written, bwd = x and dy read + dx written,
+Bytes: fwd = x read + y written, bwd = x and dy read + dx written,
 all at x's element size (so the autocast rows are "TB/s-equivalent"). Backward is timed alone
 (retain_graph, grads set to None between runs). Rows: TB/s with median/p20/p80 ms.
 
@@ -128,12 +128,10 @@ def _bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, **fie
     out = fwd()
     fields["first_call_s"] = first_call_s(functools.partial(out.backward, dy, retain_graph=True))
     if provider.startswith("ampkernels-"):
-        # the backward's GPU time without the host's autograd and launch work (diagnostic: on the
-        # H200 host at e069bf3 a Triton backward call cost ~300-480 us of host time against ~220
-        # us of GPU time, so its timed rows can be host-bound): forward + backward replayed from a
-        # CUDA graph (autograd runs a backward on its forward's stream, so both are captured; the
-        # pattern of tests' graph-capture tests) less the forward's replay. At 58695ad the first
-        # such capture, through torch.autograd.grad, failed (cudaErrorStreamCaptureInvalidated).
+        # the backward's GPU time without the host's autograd and launch work (diagnostic: a
+        # Triton backward call can cost more host time than GPU time): forward + backward
+        # replayed from a CUDA graph (autograd runs a backward on its forward's stream, so both
+        # are captured) less the forward's replay. (torch.autograd.grad cannot be captured.)
         def fwd_bwd():
             for t in leaves:
                 t.grad = None
@@ -149,17 +147,15 @@ def _bwd(recorder, op, provider, fn, x, w, b, dy, n, quick, autocast=None, **fie
     _record(recorder, op, provider, "bwd", x.dtype, n, m, ms, 3 * m * n * e, **fields)
 
 
-# Forward: N -> [(ROWS, num_warps)], each pair one Triton compile, with and without PARAMS_FIRST
-# (measured at d776080, 478ab5c and 14572ee; the results are in _fwd_config's comment), swept
-# with --sweep-pass fwd or both. One or two warps a program at N <= 1024 after torch.compile's
-# persistent reduction (one warp a row there), which ran 4.04-4.08 TB/s against our 3.74-3.94 at
-# 9692629.
+# Forward: N -> [(ROWS, num_warps)], each pair one Triton compile, with and without PARAMS_FIRST,
+# swept with --sweep-pass fwd or both. One or two warps a program at N <= 1024 after
+# torch.compile's persistent reduction (one warp a row there).
 SWEEP_FWD = {768: [(4, 4), (2, 4), (4, 8), (8, 8), (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (8, 4)],
              1024: [(4, 4), (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (8, 4)],
              2048: [(1, 4), (1, 8), (2, 8), (4, 8), (1, 2), (2, 4)],
              4096: [(1, 8), (1, 16), (2, 16), (1, 4)], 8192: [(1, 8), (1, 16), (1, 4)], 16384: [(1, 8), (1, 16), (2, 16)]}
 # fp32 params with 16-bit x (the AMP case): each row step reads the params again from L2, so
-# several rows a step share one read. The defaults first (measured at 478ab5c), then the others.
+# several rows a step share one read. The defaults first, then the others.
 SWEEP_FWD_W32 = {2048: [(4, 8), (1, 4), (2, 8), (4, 16)], 4096: [(2, 8), (1, 8), (2, 16), (4, 16)],
                  8192: [(1, 8), (2, 16), (2, 32)], 16384: [(2, 32), (1, 16)]}
 # Backward: N -> [(ROWS, num_warps, programs per SM, looped, (num_stages, ...))]; each
@@ -238,7 +234,6 @@ def _sweep_case(recorder, tln, t, n, pas, op, w32, cfg):
         tln._fwd_config = lambda _n, _wide_params=False: cfg
         w, b = (t.w32, t.b32) if w32 else (t.w, t.b)
         fn = functools.partial(tln.norm_fwd, t.x, w, b, None, EPS, False, None, False)
-        # (rows up to 478ab5c ended in "-w32" for fp32 params, ambiguous beside 32 warps: see param_dtype)
         provider = f"sweep-triton-r{cfg[1]}-w{cfg[2]}{'-pfirst' if cfg[3] else ''}{'-fp32params' if w32 else ''}"
         nbytes = 2 * m * n * t.x.element_size()
         fields = {"param_dtype": str(w.dtype)[6:]}
@@ -323,8 +318,8 @@ def _verdict(ok):
 
 
 def report(rows):
-    """One line per target of issue 3 / DESIGN.md, per op, pass, dtype and N; where public
-    kernels were measured, the best of them against our best (DESIGN.md: never below it)."""
+    """One line per target (docs/design.md), per op, pass, dtype and N; where public kernels
+    were measured, the best of them against our best (never below it)."""
     public = {r["provider"] for r in rows if r.get("provider_version")}
     fp32_params = {r["provider"] for r in rows if r.get("param_dtype") == "float32"}
     value, graph = {}, {}

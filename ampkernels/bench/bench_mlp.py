@@ -1,21 +1,16 @@
-"""The pre-LN transformer MLP block trained under AMP (DESIGN.md's end-to-end target):
+"""The pre-LN transformer MLP block trained under AMP:
 y = x + MLP(LayerNorm(x)), loss = mean(y^2), x fp32 (the residual stream), one training
-step = forward + backward. Same block as ../shared/baselines/baseline.py "block".
+step = forward + backward.
 
 Providers: fp32 eager, AMP fp16/bf16 eager, AMP fp16 torch.compile, and ampkernels under
 AMP: the eager block after nn.convert() (LayerNorm + fused Linear/GELU), and LayerNorm +
-nn.FusedMLP (one hidden-sized tensor saved), the latter also on the Triton backend, with and
-without AMPKERNELS_TRITON_FUSED_DGRAD=1 (bf16); both norms emit the autocast dtype
+nn.FusedMLP (one hidden-sized tensor saved), the latter also on the Triton backend (bf16);
+both norms emit the autocast dtype
 (out_dtype="autocast"), since their output only feeds the first matmul. Rows: ms per step, peak extra memory (MiB
 above the inputs and weights, measured over one untimed step), the memory the forward leaves for backward
 (held_after_fwd_MiB, incl. the fp32 y), tokens/s.
-
-Rows without held_after_fwd_MiB (before 2026-11-30 session 3) measured the peak across do_bench, whose 256 MiB L2-flush buffer
-(triton's get_empty_cache_for_benchmark) counted as "peak": subtract 256 from their peak_extra_MiB.
 """
 import copy
-import os
-from unittest import mock
 
 import torch
 
@@ -48,12 +43,7 @@ def _providers(hidden):
             ("ampkernels_convert_bf16", converted, torch.bfloat16),
             ("ampkernels_fusedmlp_fp16", fused, torch.float16),
             ("ampkernels_fusedmlp_bf16", fused, torch.bfloat16),
-            ("ampkernels_fusedmlp_triton_bf16", fused_triton, torch.bfloat16),
-            ("ampkernels_fusedmlp_triton_fused_dgrad_bf16", fused_triton, torch.bfloat16)], eager
-
-
-# providers measured with an environment variable set through their whole step
-_PROVIDER_ENV = {"ampkernels_fusedmlp_triton_fused_dgrad_bf16": {"AMPKERNELS_TRITON_FUSED_DGRAD": "1"}}
+            ("ampkernels_fusedmlp_triton_bf16", fused_triton, torch.bfloat16)], eager
 
 
 def fused_block_state_dict(sd):
@@ -92,22 +82,16 @@ def make_step(block, eager, dtype, tokens, hidden):
     return forward, step
 
 
-def provider_env(name):
-    """The environment variables a provider is measured under, restored afterwards."""
-    return mock.patch.dict(os.environ, _PROVIDER_ENV.get(name, {}))
-
-
 def _step_time(recorder, name, block, eager, dtype, tokens, hidden, quick):
     """One provider: ms per training step of y = x + block(x) and its peak extra memory."""
     forward, step = make_step(block, eager, dtype, tokens, hidden)
-    with provider_env(name):
-        peak = cuda_step_peak(step, warmup=3) / 2**20
-        base = torch.cuda.memory_allocated()
-        y = forward()
-        held = (torch.cuda.memory_allocated() - base) / 2**20  # saved for backward, + y itself
-        y.float().square().mean().backward()
-        del y
-        ms, p20, p80 = bench(step, rep=200 if not quick else 50)
+    peak = cuda_step_peak(step, warmup=3) / 2**20
+    base = torch.cuda.memory_allocated()
+    y = forward()
+    held = (torch.cuda.memory_allocated() - base) / 2**20  # saved for backward, + y itself
+    y.float().square().mean().backward()
+    del y
+    ms, p20, p80 = bench(step, rep=200 if not quick else 50)
     recorder.add(op="mlp_block", provider=name, **{"pass": "train_step"},
                  dtype=str(dtype).replace("torch.", "") if dtype else "fp32",
                  shape=f"T={tokens},H={hidden}", T=tokens, H=hidden, metric="ms", value=round(ms, 4),

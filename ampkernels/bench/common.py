@@ -33,7 +33,7 @@ def environment():
         env["gpu"] = torch.cuda.get_device_name()
         env["cc"] = "{}.{}".format(*torch.cuda.get_device_capability())
     # AMPKERNELS_COMMIT wins: the GPU machine's copy of the tree can carry a .git whose HEAD is
-    # not the commit that was copied (rows of 2026-11-30's 7672746 run said c6223fe)
+    # not the commit that was copied
     env["commit"] = os.environ.get("AMPKERNELS_COMMIT")
     if not env["commit"]:
         try:

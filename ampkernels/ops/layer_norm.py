@@ -4,7 +4,7 @@ One implementation serves both norms (is_rms: no mean, no bias). Backends: "cuda
 (csrc/layer_norm.cu through torch.ops.ampkernels.norm_{fwd,bwd}_cuda), "triton"
 (ampkernels/triton/layer_norm.py) and "torch" (ampkernels/reference.py).
 
-Contract (../shared/DESIGN.md): statistics and normalisation in fp32; mean/rstd saved in
+Contract (docs/design.md): statistics and normalisation in fp32; mean/rstd saved in
 fp32; output in x.dtype unless out_dtype says otherwise; weight/bias in x.dtype or fp32 (the
 AMP case), their grads accumulated in fp32 with a fixed-order reduction (bitwise repeatable)
 and returned in their own dtype; with a residual, the unrounded sum x + residual is
@@ -175,34 +175,20 @@ def _preference(x, n, pas="fwd", param_dtype=None):
     """Backends "auto" tries for one pass ("fwd" or "bwd"), fastest first.
 
     Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
-    the forward on one and the backward on the other. The order comes from the H200 norm
-    benchmark (ampkernels/bench/bench_layer_norm.py; fp16 and bf16, M*N = 2^27, N = 768..16384), last at
-    8adf50d (benchmarks/results/h200-2026-12-01-8adf50d-norms.jsonl; the runs at 065571a, 51fa175,
-    4ce559d, 7672746, 9692629 and 58695ad gave the same order):
-    - forward, params in x's dtype: Triton, 3.98-4.18 TB/s against CUDA's 3.78-4.09, ahead at
-      every N (LayerNorm at 16384 since 8adf50d: 3.99-4.01 against 3.78-3.92) but one row of
-      that run (LayerNorm bf16 2048: 3.35, against 4.08 at 065571a and 0e8db67);
-    - forward of 16-bit x with fp32 params (the AMP case): CUDA. LayerNorm 3.39-4.07 against
-      Triton's 2.27-3.94, ahead at every N; RMSNorm 3.82-4.05 against 3.45-4.11 (Triton ahead by
-      under 1.5% at N <= 4096, CUDA by 3-10% at 8192 and 16384);
-    - backward: CUDA, 3.23-3.66 as called at every N. Triton's kernels run 3.6-3.9 from a CUDA
-      graph at N = 1024..8192 (2.5-2.6 for LayerNorm at 16384) and at N = 8192 beat CUDA as
-      called too (3.60-3.78 against 3.26-3.61), but a Triton call costs the host 100-160 us
-      against 35-55 us for the extension (scripts/norm_bwd_probe.py,
-      h200-2026-11-30-c2c6bb7-norm-bwd-probe.log), so its called rate follows host jitter.
+    the forward on one and the backward on the other. From the H200 norm benchmark
+    (ampkernels/bench/bench_layer_norm.py, fp16/bf16, M*N = 2^27, N = 768..16384; the numbers are
+    in docs/performance.md and benchmarks/results/h200-2026-12-01-8adf50d-norms.jsonl):
+    - forward, params in x's dtype: Triton (3.98-4.18 TB/s against CUDA's 3.78-4.09);
+    - forward of 16-bit x with fp32 params (the AMP case): CUDA, ahead at every N for LayerNorm;
+    - backward: CUDA. Triton's kernels are as fast from a CUDA graph, but a Triton call costs the
+      host 100-160 us against 35-55 us for the extension, so as called they follow host jitter;
+    - below 2^25 elements CUDA whatever the pass: there a kernel takes less GPU time than
+      Triton's Python launcher costs the host;
+    - under torch.compile: "torch", which hands the op to inductor (_traced_norm): as opaque
+      custom ops our kernels lost whole compiled training steps to it.
     n is the row length; kept in the signature for per-N rules (none today).
-
-    Under torch.compile: "torch", which hands the op to inductor.
-
-    Below 2^25 elements the CUDA kernels come first whatever the pass: there a kernel takes less
-    GPU time (under ~100 us) than Triton's Python launcher costs the host, and a training step
-    made of such calls is host-bound (H200 host profile of the MLP block at 2^24 elements,
-    benchmarks/results/h200-2026-11-30-005ac1a-host-profile.txt: ~375 us of host time per
-    Triton norm backward call against ~60 us for a call into the extension).
     """
     if torch.compiler.is_compiling():
-        # inductor gets the op (_traced_norm): in whole compiled training steps our kernels as
-        # opaque custom ops lost to it (docs/performance.md, "Under torch.compile")
         return ("torch",)
     amp_params = param_dtype == torch.float32 and x.dtype != torch.float32
     if x.numel() < _HOST_BOUND_ELEMENTS or pas == "bwd" or amp_params:

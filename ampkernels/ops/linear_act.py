@@ -224,29 +224,19 @@ class LinearActFunction(torch.autograd.Function):
 
 # "auto": backends to try, fastest first, per (compute capability major, dtype, activation,
 # shape bucket, training). Filled from one full H200 run of ampkernels/bench/bench_linear_act.py
-# (commit 9836fa4, benchmarks/results/h200-2026-12-01-9836fa4-linear-act.jsonl): per cell the
-# fastest of cuda / triton / torch (eager F.linear + activation) over the bucket's shapes, times
-# summed; a fused kernel within 1% of eager counts as a tie and is kept. That rule is benchmarks/
-# bench_linear_act.py's auto_table (`python -m ampkernels.bench.bench_linear_act --auto-table FILE [FILE ...]`
-# prints the rows below from a run; tests/test_cli.py checks them against 9836fa4's).
+# (benchmarks/results/h200-2026-12-01-9836fa4-linear-act.jsonl): per cell the fastest of cuda /
+# triton / torch (eager F.linear + activation) over the bucket's shapes, times summed; a fused
+# kernel within 1% of eager counts as a tie and is kept. `python -m ampkernels.bench.bench_linear_act
+# --auto-table FILE [FILE ...]` prints the rows below from a run; tests/test_cli.py checks them.
 # Buckets by M*N*K: "small" < 2^34 (4096x768x3072), "medium" < 2^37 (8192x1024x4096), "large"
 # (8192x4096x{4096,16384}).
-# 9836fa4 is the first run with everything that moved the picks since 7cf8101 (the table's
-# previous source): the Hopper ping-pong kernel timed against the TMA kernel per shape
-# (Triton erf GELU / SiLU forward), the Triton dz pass that sums its bias-gradient partials per
-# thread (c408b55: every "large" training cell is now Triton's) and the CUDA act' / bias +
-# activation passes with four loads in flight (c798ee8). Earlier runs (7cf8101, 35965d5,
-# a930f91) measured other code, so they are not averaged in.
 # Not measured (identity, squared_relu, other GPUs): the default, cuBLASLt first -- its fused
 # epilogues cost nothing for bias/relu/gelu_tanh, and its unfused path (GEMM+bias, then the
 # activation in place) does the same work as eager.
-# Why "torch" wins some cells: small shapes are host-bound (the kernels' Python/launch path
-# costs more than eager's two ops), and for erf-GELU/SiLU the cuda path is GEMM + activation
-# pass, like eager. Training cells below "large" are host-bound on the H200 host (a fwd+bwd of
-# linear_act costs the host 310-440 us, eager 260-290: scripts/linear_act_probe.py --host,
-# benchmarks/results/h200-2026-11-30-429d844-linear-act-probe.log), so their pick can flip
-# between runs with the host's jitter (a930f91's run and 9836fa4's give different picks in 3 of
-# 4 small/medium training rows); the GPU time alone (CUDA-graph replay) favours cuda.
+# Why "torch" wins some cells: small shapes are host-bound (a fwd+bwd of linear_act costs the
+# host 310-440 us, eager 260-290), and for erf-GELU/SiLU the cuda path is GEMM + activation pass,
+# like eager. Host-bound training cells can flip between runs with the host's jitter; the GPU
+# time alone (CUDA-graph replay) favours cuda.
 _AUTO_DEFAULT = ("cuda", "triton")
 _C, _T, _E = ("cuda", "triton"), ("triton", "cuda"), ("torch",)
 _ACT_COLUMNS = ("gelu_tanh", "relu", "gelu", "silu")
@@ -282,7 +272,7 @@ def auto_preference(device, dtype, activation, m, n, k, training=False):
 def _preference(device, dtype, activation, bucket, training):
     if torch.compiler.is_compiling():
         # inductor gets F.linear + the activation: as opaque custom ops our kernels cost the
-        # compiled step 200-400 us of host each (docs/performance.md, "Under torch.compile")
+        # compiled step 200-400 us of host each (docs/performance.md)
         return ("torch",)
     cc = device_properties(device_index(device)).major if device.type == "cuda" else 0
     pref = _AUTO_TABLE.get((cc, dtype, activation, bucket, training), _AUTO_DEFAULT)

@@ -18,12 +18,9 @@ freed there, with w2's cast, unless the graph is kept (retain_graph); then layer
 tests/memory.py measures this on CPU (`python -m tests.memory`). Pieces in data order:
 custom ops (forward, backward) with fakes -> autograd Function -> functional API.
 
-Tried and dropped: dz1 = gelu'(pre) * (dout @ w2) and db1 from one cuBLASLt GEMM with the
-DGELU_BGRAD epilogue (37aa7bb..005ac1a, reverted). On the H200 (bf16, T=16384, H=1024) cuBLASLt
-ran that epilogue as a separate 0.56 ms kernel after the GEMM, against 0.10 ms for our
-elementwise pass (benchmarks/results/h200-2026-11-30-005ac1a-host-profile.txt, end).
+Tried and dropped (docs/performance.md): cuBLASLt's DGELU_BGRAD epilogue for dz1 and db1, which
+ran as a separate kernel 5x slower than our elementwise pass.
 """
-import os
 from typing import Optional
 
 import torch
@@ -64,18 +61,9 @@ def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend, rel
     # 2. dh = dout W2, then dz = dh * act'(pre) IN PLACE: dh is this function's own temporary
     #    (never visible outside), so the act' pass needs no third hidden-sized buffer. cuda and
     #    Triton sum db1 in the same pass; torch sums dz after it.
-    #    AMPKERNELS_TRITON_FUSED_DGRAD=1: Triton in one GEMM with act' and db1 in its epilogue.
     need_db1 = b1_dtype is not None
-    fused = None  # (dz, db1) from the fused GEMM, or None where it cannot take the shape
-    if backend == "triton" and activation != "identity" and os.environ.get("AMPKERNELS_TRITON_FUSED_DGRAD") == "1":
-        from ..triton import linear_act as tk
-        fused = tk.matmul_act_grad(dout, w2, pre, reference.activation_id(activation), need_db1)
-    if fused is not None:
-        dh, db1_32 = fused
-        del fused
-    else:
-        dh = dout.mm(w2)
-        db1_32 = _act_backward_(dh, pre, activation, need_db1, backend)
+    dh = dout.mm(w2)
+    db1_32 = _act_backward_(dh, pre, activation, need_db1, backend)
     if release_pre:
         pre.untyped_storage().resize_(0)
     if release_w2:
@@ -167,10 +155,10 @@ class FusedMLPFunction(torch.autograd.Function):
 
 def auto_preference(device, dtype, activation, bucket, training):
     """Backends "auto" tries for fused_mlp, fastest first: linear_act's measured order for the
-    first GEMM's shape, never the unfused torch path (FusedMLP is there for its memory). In the
-    MLP benchmark (bf16) this picks what ran faster: Triton at T=8192 H=4096 (11.74-12.15 ms
-    against cuda's 11.94-12.70 at 46194bc, c4ef83d, 5ac4a84), cuda at T=16384 H=1024 (2.02-2.07
-    against 2.27-2.54, host-bound there)."""
+    first GEMM's shape, never the unfused torch path in eager (FusedMLP is there for its memory).
+    In the MLP benchmark (bf16) this picks what ran faster: Triton at T=8192 H=4096 (11.74-12.15 ms
+    against cuda's 11.94-12.70), cuda at T=16384 H=1024 (2.02-2.07 against 2.27-2.54, host-bound
+    there). Under torch.compile linear_act's decision: inductor gets the block."""
     pref = _preference(device, dtype, activation, bucket, training)
     if torch.compiler.is_compiling():
         return pref  # linear_act's decision under torch.compile (inductor gets the block)
