@@ -109,20 +109,27 @@ def norm_inputs(combo, shape, device, gen=None):
     return x, w, b, r
 
 
-def _dx_floor(is_rms, s64, w64, dy64, dres64, n, eps):
-    """16 fp32 units of the terms dx is made of, |g| + |xhat c1| + |c2| times rstd (g = dy w),
-    plus |dresidual_out|: the rounding a correct fp32 implementation may leave when they cancel."""
+def _dx_floor(is_rms, s64, w64, dy64, dres64, n, eps, stored):
+    """What a correct implementation may be off by in dx where its terms cancel: 32 fp32 units of
+    the terms, |g| + |xhat'| |c1| + |c2| times rstd (g = dy w; xhat' = (|s| + |mean|) rstd, the
+    size of what x - mean is computed from), plus |dresidual_out|; and where the normalised sum
+    is saved in 16 bits (`stored`: a residual with residual_in_fp32=False), 4 units of that dtype
+    of what its rounding moves: xhat by xhat' units, so xhat c1 and c1 itself."""
     s = s64.reshape(-1, n)
-    if not is_rms:
-        s = s - s.mean(-1, keepdim=True)
-    rstd = 1.0 / torch.sqrt((s * s).mean(-1, keepdim=True) + eps)
-    xhat = s * rstd
+    mean = 0 if is_rms else s.mean(-1, keepdim=True)
+    rstd = 1.0 / torch.sqrt(((s - mean) ** 2).mean(-1, keepdim=True) + eps)
+    xhat = (s - mean) * rstd
     g = dy64.reshape(-1, n) * (1 if w64 is None else w64.reshape(-1))
     c1 = (g * xhat).mean(-1, keepdim=True)
-    terms = (g.abs() + (xhat * c1).abs() + (0 if is_rms else g.mean(-1, keepdim=True).abs())) * rstd
+    xsize = (s.abs() + abs(mean)) * rstd
+    terms = (g.abs() + xsize * c1.abs() + (0 if is_rms else g.mean(-1, keepdim=True).abs())) * rstd
     if dres64 is not None:
         terms = terms + dres64.reshape(-1, n).abs()
-    return 16 * torch.finfo(F32).eps * terms.norm().item()
+    floor = 32 * torch.finfo(F32).eps * terms.norm().item()
+    if stored is not None and stored != F32:
+        moved = (xsize * c1.abs() + xhat.abs() * (g.abs() * xsize).mean(-1, keepdim=True)) * rstd
+        floor += 4 * torch.finfo(stored).eps * moved.norm().item()
+    return floor
 
 
 def _assert_grad_close(got, want, floor, dtype, factor, what):
@@ -174,6 +181,9 @@ def check_norm(is_rms, x, weight, bias, residual, *, backend, residual_in_fp32=F
     w64 = None if weight is None else ref["weight"].detach()
     for name, t in ours.items():
         got, want = t.grad, ref[name].grad
+        if want is None and not use_out:  # weight/bias do not reach residual_out: zeros (or None)
+            assert got is None or not got.any(), f"{what}: d{name} nonzero from residual_out alone"
+            continue
         assert got is not None and got.dtype == t.dtype and got.shape == t.shape, \
             f"{what}: d{name} {None if got is None else got.dtype} for a {t.dtype} {name}"
         tol_dtype = lowest(t.dtype, x.dtype, weight.dtype if name == "bias" and weight is not None else None)
@@ -184,7 +194,8 @@ def check_norm(is_rms, x, weight, bias, residual, *, backend, residual_in_fp32=F
             _assert_column_sum_close(got.reshape(-1), want.reshape(-1), terms.sum(0), terms.shape[0], tol_dtype,
                                      GRAD_FACTOR * factor, f"{what}: d{name}")
         else:
-            floor = _dx_floor(is_rms, s64, w64, dy64, dres64, n, eps)
+            stored = None if residual is None else res[1].dtype
+            floor = _dx_floor(is_rms, s64, w64, dy64, dres64, n, eps, stored)
             _assert_grad_close(got, want, floor, tol_dtype, GRAD_FACTOR * factor, f"{what}: d{name}")
     for k, t in named.items():
         assert torch.equal(t, before[k]), f"{what}: input {k} was modified"
@@ -276,3 +287,19 @@ def test_grid_and_cover():
         assert len(cover) <= len(full) / 3 or len(cover) == 7 * 4  # RMSNorm: residual x out pairs
         for attr in ("residual", "weight", "bias", "out"):
             assert {getattr(c, attr) for c in cover} == {getattr(c, attr) for c in full}
+
+
+@pytest.mark.xfail(strict=True, reason="the backward differentiates at the stored (rounded) sum with the unrounded "
+                   "sum's mean/rstd: LayerNorm rows whose spread is below the sum's rounding (N = 1) get garbage dx")
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_layer_norm_16bit_stored_residual_sum_of_one_element(backend):
+    # Found by tests/test_fuzz.py. With residual_in_fp32=False and 16-bit x, the forward
+    # normalises the unrounded fp32 sum s (mean = s, rstd = 1/sqrt(eps) at N = 1) but saves s
+    # rounded to x's dtype; the backward's xhat = (round(s) - mean) * rstd is then the rounding
+    # error times 1/sqrt(eps) (~0.5 at eps 1e-6), not 0, and dx = -dy * xhat^2 * rstd instead of 0.
+    if backend == "triton":
+        _cpu_only()
+    gen = torch.Generator().manual_seed(0)
+    combo = NormCombo(False, F16, F32, False, F32, F32)
+    x, w, b, r = norm_inputs(combo, (16, 1), "cpu", gen)
+    check_norm(False, x, w, b, r, backend=backend, eps=1e-6, what=f"{backend} N=1 {combo}")
