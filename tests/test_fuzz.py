@@ -221,16 +221,22 @@ def linear_act_case(rng, gen, params, backend, device, dtypes, activation=None, 
                   shape=(*lead, m, k), n=n, bias=bias, layouts=layouts)
     x = tensor((*lead, m, k), xdtype, device, gen, layouts[0])
     w = tensor((n, k), pdtype, device, gen, layouts[1], scale=k ** -0.5)
-    b = tensor((n,), pdtype, device, gen, rng.choice(("contiguous", "strided", "offset"))) if bias else None
+    b = tensor((n,), pdtype, device, gen, rng.choice(BIAS_LAYOUTS)) if bias else None
+    check_linear_act(x, w, b, activation, backend, dtype, autocast, params)
+
+
+def check_linear_act(x, w, b, activation, backend, dtype, autocast=False, params=None):
+    """linear_act (under autocast to dtype, or not) and its backward against float64 autograd
+    and the same-dtype eager op; inputs as given (any layout); no input modified."""
     inputs = [x, w, b]
     before = [None if t is None else t.clone() for t in inputs]
     ours, eager, exact = _leaves(inputs), _leaves(inputs), _f64(inputs, dtype)
-    with torch.autocast(device, dtype=dtype, enabled=autocast):
+    with torch.autocast(x.device.type, dtype=dtype, enabled=autocast):
         y = ampkernels.linear_act(*ours, activation, backend=backend)
         y_eager = reference.act_fwd(F.linear(*eager), activation)
     pre64 = F.linear(*exact)
     y64 = reference.act_fwd(pre64, activation)
-    assert y.dtype == dtype and y.shape == (*lead, m, n), f"out {y.dtype} {tuple(y.shape)}"
+    assert y.dtype == dtype and y.shape == (*x.shape[:-1], w.shape[0]), f"out {y.dtype} {tuple(y.shape)}"
     _assert_close_or_as_eager([("out", y)], [y_eager], [y64], dtype, "linear_act")
     _backward_and_compare(y, y_eager, y64, ours, eager, exact, ("dx", "dweight", "dbias"), dtype, "linear_act",
                           params, activation in RELU_LIKE and _near_zero(pre64, exact[0], exact[1], dtype))
@@ -246,7 +252,8 @@ def _backward_and_compare(y, y_eager, y64, ours, eager, exact, names, dtype, wha
         if t is not None:
             assert t.grad is not None and t.grad.dtype == t.dtype, f"{what} {name}: grad {getattr(t.grad, 'dtype', None)}"
     if tie:  # a pre-activation at a ReLU kink: act' there is either side's to pick
-        params["grads"] = "not compared (a pre-activation within rounding of 0)"
+        if params is not None:
+            params["grads"] = "not compared (a pre-activation within rounding of 0)"
         return
     _assert_close_or_as_eager([(nm, None if t is None else t.grad) for nm, t in zip(names, ours)],
                               [None if t is None else t.grad for t in eager],
@@ -259,7 +266,6 @@ def _assert_unmodified(inputs, before):
 
 
 def mlp_case(rng, gen, params, backend, device, dtypes, palette=False):
-    from ampkernels.ops.mlp import fused_mlp
     dtype, autocast, pdtype = _dtype_setup(rng, device, dtypes)
     activation = rng.choice(reference.ACTIVATIONS)
     k, h = _draw_dims(rng, palette)
@@ -275,6 +281,12 @@ def mlp_case(rng, gen, params, backend, device, dtypes, palette=False):
     w2 = tensor((n, h), pdtype, device, gen, layouts[2], scale=h ** -0.5)
     bias_layouts = BIAS_LAYOUTS if MLP_STRIDED_BIAS else ("contiguous", "offset")
     b1, b2 = [tensor((d,), pdtype, device, gen, rng.choice(bias_layouts)) if bias else None for d in (h, n)]
+    check_mlp(x, w1, b1, w2, b2, activation, backend, dtype, autocast, params)
+
+
+def check_mlp(x, w1, b1, w2, b2, activation, backend, dtype, autocast=False, params=None):
+    """fused_mlp as check_linear_act checks linear_act."""
+    from ampkernels.ops.mlp import fused_mlp
     inputs = [x, w1, b1, w2, b2]
     before = [None if t is None else t.clone() for t in inputs]
     ours, eager, exact = _leaves(inputs), _leaves(inputs), _f64(inputs, dtype)
@@ -282,11 +294,11 @@ def mlp_case(rng, gen, params, backend, device, dtypes, palette=False):
     def block(a):
         return F.linear(reference.act_fwd(F.linear(a[0], a[1], a[2]), activation), a[3], a[4])
 
-    with torch.autocast(device, dtype=dtype, enabled=autocast):
+    with torch.autocast(x.device.type, dtype=dtype, enabled=autocast):
         out = fused_mlp(*ours, activation, backend=backend)
         out_eager = block(eager)
     out64 = block(exact)
-    assert out.dtype == dtype and out.shape == (*lead, m, n), f"out {out.dtype} {tuple(out.shape)}"
+    assert out.dtype == dtype and out.shape == (*x.shape[:-1], w2.shape[0]), f"out {out.dtype} {tuple(out.shape)}"
     _assert_close_or_as_eager([("out", out)], [out_eager], [out64], dtype, "fused_mlp")
     tie = activation in RELU_LIKE and _near_zero(F.linear(*exact[:3]), exact[0], exact[1], dtype)
     _backward_and_compare(out, out_eager, out64, ours, eager, exact, ("dx", "dw1", "db1", "dw2", "db2"), dtype,
