@@ -21,8 +21,8 @@ ampkernels/triton/layer_norm.py):
   300 (several rows per persistent block).
 - norms, Triton: the register forward up to BLOCK_N 16384 and the chunked forward (16385; with
   16-bit params RMSNorm from 8193, LayerNorm at 16384); the backward's register kernel up to
-  8192, RELOAD to 16384, the looped kernel past it; with SANITIZER_GLUON=1 (default on for the
-  triton backend on sm_80+) the Gluon kernels too (ampkernels.triton.layer_norm.GLUON).
+  8192, RELOAD to 16384, the looped kernel past it; on sm_80+ the rows from 4096 once more with
+  the Gluon kernels on (ampkernels.triton.layer_norm.GLUON; SANITIZER_GLUON=0 skips that).
 - norm dtype mixes: a pairwise cover of tests/test_dtype_combos.py's grid and issue 31's
   crash (16-bit x, fp32 residual kept in fp32, 16-bit weight/bias) by name.
 - linear_act: the dz pass (act' backward and the dbias partials; tiles of 64 x 128 on a GPU:
@@ -65,8 +65,10 @@ NORM_SHAPES = [(1, 3), (7, 3), (1000, 1), (1000, 300), (2048, 3), (2049, 3), (40
                (14336, 2), (14344, 2), (16384, 2), (16385, 2), (16392, 2)]
 
 
-def norm_cases(backend, dtype):
-    for n, rows in NORM_SHAPES:
+def norm_cases(backend, dtype, mixes=True, min_n=0):
+    """The regime edges from min_n up; with mixes, the dtype mixes (fp32 x's with the first
+    dtype only: SANITIZER_DTYPES' second pass would repeat most of them) and issue 31."""
+    for n, rows in (s for s in NORM_SHAPES if s[0] >= min_n):
         for is_rms in (False, True):
             # fp32 params, 16-bit params, each with a residual in x's dtype (the pipelined
             # backward's dresidual_out) or fp32 kept in fp32 (an fp32 saved sum)
@@ -75,8 +77,10 @@ def norm_cases(backend, dtype):
                           NormCombo(is_rms, dtype, F32, True, dtype, dtype),
                           NormCombo(is_rms, dtype, None, False, dtype, None, F32)):
                 case(f"{backend} {combo} {rows}x{n}", check_combo, combo, backend, n, rows, dev)
+    if not mixes:
+        return
     for is_rms in (False, True):  # dtype mixes: every pair of factor values, at an odd N or a 16-bit aligned one
-        for x_dtype in (dtype, F32):
+        for x_dtype in (dtype, F32) if dtype == _dtypes()[0] else (dtype,):
             for i, combo in enumerate(pairwise(norm_combos(is_rms, x_dtype, (dtype, F32)))):
                 n = (1000, 2560)[i % 2]
                 case(f"{backend} {combo} 3x{n}", check_combo, combo, backend, n, 3, dev)
@@ -95,7 +99,7 @@ def linear_act_cases(backend, dtype):
     for m, k, n in shapes:
         for activation in ampkernels.ACTIVATIONS:
             for bias in (True, False):
-                for autocast in ((False, True) if dev == "cuda" and m < 2000 else (False,)):
+                for autocast in ((False, True) if dev == "cuda" and bias and m < 2000 else (False,)):
                     pdtype = F32 if autocast else dtype
                     x, w = _t((m, k), dtype), _t((n, k), pdtype, scale=k ** -0.5)
                     b = _t((n,), pdtype) if bias else None
@@ -115,27 +119,30 @@ def mlp_cases(backend, dtype):
     os.environ.pop("AMPKERNELS_TRITON_FUSED_DGRAD", None)
 
 
-def _gluon_passes(backend):
-    """[False] or [False, True]: the Triton norms run again with the Gluon kernels on."""
+def _gluon_on(backend):
+    """Whether the Triton norms run a second time with the Gluon kernels on (SANITIZER_GLUON=0: no)."""
     if backend != "triton" or dev != "cuda" or os.environ.get("SANITIZER_GLUON", "1") == "0":
-        return [False]
+        return False
     from ampkernels.triton import layer_norm as tln
-    return [False, True] if tln._gluon.available() and torch.cuda.get_device_capability()[0] >= 8 else [False]
+    return tln._gluon.available() and torch.cuda.get_device_capability()[0] >= 8
+
+
+def _dtypes():
+    return [getattr(torch, d) for d in os.environ.get("SANITIZER_DTYPES", "float16 bfloat16").split()]
 
 
 def main(backends):
     torch.manual_seed(0)
     ops = os.environ.get("SANITIZER_OPS", "norms linear_act").split()
     for backend in backends:
-        for dtype in (getattr(torch, d) for d in os.environ.get("SANITIZER_DTYPES", "float16 bfloat16").split()):
+        for dtype in _dtypes():
             if "norms" in ops:
-                for gluon in _gluon_passes(backend):
-                    if gluon:
-                        from ampkernels.triton import layer_norm as tln
-                        tln.GLUON = True
-                    norm_cases(backend, dtype)
-                    if gluon:
-                        tln.GLUON = False
+                norm_cases(backend, dtype)
+                if _gluon_on(backend):  # the Gluon kernels' rows (forward from 4104, backward from 8193)
+                    from ampkernels.triton import layer_norm as tln
+                    tln.GLUON = True
+                    norm_cases(backend, dtype, mixes=False, min_n=4096)
+                    tln.GLUON = False
             if "linear_act" in ops:
                 linear_act_cases(backend, dtype)
             if "mlp" in ops:
