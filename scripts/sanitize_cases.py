@@ -1,13 +1,36 @@
-"""The kernels of both op families, forward and backward, on odd and boundary shapes, for
-compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short.
+"""The kernels of both op families, forward and backward, on boundary shapes and dtype mixes,
+for compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short.
 
     [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms linear_act [mlp]"] \
         python scripts/sanitize_cases.py [cuda] [triton] [torch]
 
-Every output is also checked against the reference (a wrong result exits non-zero), so an
-uninitialised-read report on an output that matches the reference points at the tool.
+Every output and gradient is checked against float64 autograd with the tests' checks
+(tests/test_dtype_combos.check_norm, tests/test_fuzz.check_linear_act / check_mlp: values,
+dtypes, inputs unmodified); a wrong result exits non-zero, so an uninitialised-read report on
+an output that matches the reference points at the tool.
 "torch" runs the same cases through eager PyTorch: a control for reports that stem from
 cuBLAS's own kernels or the tool rather than from ours.
+
+What the cases cover (N at the edges of each kernel's regime; see csrc/layer_norm.cu and
+ampkernels/triton/layer_norm.py):
+- norms, CUDA: the register-tile forward up to 512 threads x 4 vectors (N = 16384 at 16 bits
+  with 16-byte vectors, 2048 with one-element vectors: N odd) and the looped forward past it
+  (16392, 2049); the pipelined backward (16-bit x, N % 8 == 0, up to 16384; its shared memory
+  with a 16-bit dresidual_out fits to N = 14336, not 14344), the register-tile backward (fp32 or
+  odd N, up to 2048 one-element vectors) and the looped backward (16392, 2049); rows of 1, 3 and
+  300 (several rows per persistent block).
+- norms, Triton: the register forward up to BLOCK_N 16384 and the chunked forward (16385; with
+  16-bit params RMSNorm from 8193, LayerNorm at 16384); the backward's register kernel up to
+  8192, RELOAD to 16384, the looped kernel past it; on sm_80+ the rows from 4096 once more with
+  the Gluon kernels on (ampkernels.triton.layer_norm.GLUON; SANITIZER_GLUON=0 skips that).
+- norm dtype mixes: a pairwise cover of tests/test_dtype_combos.py's grid and issue 31's
+  crash (16-bit x, fp32 residual kept in fp32, 16-bit weight/bias) by name.
+- linear_act: the dz pass (act' backward and the dbias partials; tiles of 64 x 128 on a GPU:
+  M, N at 63/65 and 127/129), the pointer and TMA forwards, on Hopper the ping-pong GEMM
+  (AMPKERNELS_TRITON_AUTOTUNE=0 makes it the TMA-ready shapes' kernel: K and N multiples of 8;
+  more tiles than SMs, so each consumer runs several), autocast with fp32 master weights.
+- mlp: fused_mlp's backward (act' in place on its own dh) with and without
+  AMPKERNELS_TRITON_FUSED_DGRAD (the act'-epilogue GEMM), TMA-ready shapes and not.
 The cases run inside a function so that every tensor is freed before the process exits:
 memcheck's leak check would otherwise count the module-level tensors still alive at exit.
 """
@@ -17,81 +40,116 @@ import sys
 
 import torch
 
-import ampkernels
-from ampkernels import reference
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the tests' checks
+
+from tests.test_dtype_combos import ISSUE_31, NormCombo, check_combo, norm_combos, pairwise  # noqa: E402
+from tests.test_fuzz import check_linear_act, check_mlp, tensor  # noqa: E402
+
+import ampkernels  # noqa: E402
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: "torch" only, to try the script
+F32 = torch.float32
+CASES = [0]
 
 
-def check(name, got, want, tol):
-    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
-    scale = max(1.0, want.float().abs().max().item()) if want.numel() else 1.0
-    if not err <= tol * scale:  # NaN fails too
-        sys.exit(f"sanitize case {name}: max error {err} > {tol} * {scale}")
+def case(name, fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except Exception as e:  # a wrong result or a kernel error: the run fails, naming the case
+        sys.exit(f"sanitize case {name}: {type(e).__name__}: {e}")
+    CASES[0] += 1
 
 
-def norm_cases(backend, dtype, tol):
-    # 768, 1000, 16384: the CUDA backward's configurations; 5000 rows of 1000 give its blocks
-    # several rows each
-    for n in (1, 7, 768, 1000, 8191, 16384, 65536):
-        for rows in (1, 3, 5000) if n == 1000 else (1, 3):
-            x = torch.randn(rows, n, device=dev, dtype=dtype, requires_grad=True)
-            r = torch.randn(rows, n, device=dev, dtype=dtype, requires_grad=True)
-            w = torch.randn(n, device=dev, requires_grad=True)
-            b = torch.randn(n, device=dev, requires_grad=True)
-            out, s = ampkernels.layer_norm(x, (n,), w, b, residual=r, backend=backend)
-            check(f"{backend} layer_norm {dtype} {rows}x{n}", out,
-                  reference.layer_norm(x.detach(), (n,), w.detach(), b.detach(), residual=r.detach())[0], 4 * tol)
-            (out.float().sum() + s.float().sum()).backward()
-            out = ampkernels.rms_norm(x, (n,), w, backend=backend)
-            check(f"{backend} rms_norm {dtype} {rows}x{n}", out, reference.rms_norm(x.detach(), (n,), w.detach()),
-                  4 * tol)
-            out.float().sum().backward()
+# (N, rows): the regime edges above; rows of 300 at 1000 and 4096 give a persistent block several rows
+NORM_SHAPES = [(1, 3), (7, 3), (1000, 1), (1000, 300), (2048, 3), (2049, 3), (4096, 300), (8192, 3), (8193, 3),
+               (14336, 2), (14344, 2), (16384, 2), (16385, 2), (16392, 2)]
 
 
-def linear_act_cases(backend, dtype, tol):
-    for (m, k, n) in ((1, 13, 7), (5, 64, 24), (33, 13, 8), (70, 136, 200)):
+def norm_cases(backend, dtype, mixes=True, min_n=0):
+    """The regime edges from min_n up; with mixes, the dtype mixes (fp32 x's with the first
+    dtype only: SANITIZER_DTYPES' second pass would repeat most of them) and issue 31."""
+    for n, rows in (s for s in NORM_SHAPES if s[0] >= min_n):
+        for is_rms in (False, True):
+            # fp32 params, 16-bit params, each with a residual in x's dtype (the pipelined
+            # backward's dresidual_out) or fp32 kept in fp32 (an fp32 saved sum)
+            in_fp32 = n < 16  # a 16-bit stored sum of a few elements: a known error (test_dtype_combos)
+            for combo in (NormCombo(is_rms, dtype, dtype, in_fp32, F32, F32),
+                          NormCombo(is_rms, dtype, F32, True, dtype, dtype),
+                          NormCombo(is_rms, dtype, None, False, dtype, None, F32)):
+                case(f"{backend} {combo} {rows}x{n}", check_combo, combo, backend, n, rows, dev)
+    if not mixes:
+        return
+    for is_rms in (False, True):  # dtype mixes: every pair of factor values, at an odd N or a 16-bit aligned one
+        for x_dtype in (dtype, F32) if dtype == _dtypes()[0] else (dtype,):
+            for i, combo in enumerate(pairwise(norm_combos(is_rms, x_dtype, (dtype, F32)))):
+                n = (1000, 2560)[i % 2]
+                case(f"{backend} {combo} 3x{n}", check_combo, combo, backend, n, 3, dev)
+    for combo in ISSUE_31:
+        if combo.x == dtype:
+            case(f"{backend} issue 31 {combo}", check_combo, combo, backend, 2560, 4, dev)
+
+
+def _t(shape, dtype, layout="contiguous", scale=1.0):
+    return tensor(shape, dtype, dev, None, layout, scale)
+
+
+def linear_act_cases(backend, dtype):
+    shapes = [(1, 13, 7), (5, 64, 24), (33, 13, 8), (63, 40, 127), (65, 72, 129), (70, 136, 200),
+              (129, 72, 136), (2050, 64, 1032)]  # the last: 153 tiles of 128 x 128, more than an H200's SMs
+    for m, k, n in shapes:
         for activation in ampkernels.ACTIVATIONS:
             for bias in (True, False):
-                x = torch.randn(m, k, device=dev, dtype=dtype, requires_grad=True)
-                w = torch.randn(n, k, device=dev, dtype=dtype, requires_grad=True)
-                bb = torch.randn(n, device=dev, dtype=dtype, requires_grad=True) if bias else None
-                y = ampkernels.linear_act(x, w, bb, activation, backend=backend)
-                want = reference.linear_act(x.detach(), w.detach(), None if bb is None else bb.detach(), activation)
-                check(f"{backend} linear_act {activation} bias={bias} {dtype} {m}x{k}x{n}", y, want, tol)
-                y.float().sum().backward()
+                for autocast in ((False, True) if dev == "cuda" and bias and m < 2000 else (False,)):
+                    pdtype = F32 if autocast else dtype
+                    x, w = _t((m, k), dtype), _t((n, k), pdtype, scale=k ** -0.5)
+                    b = _t((n,), pdtype) if bias else None
+                    case(f"{backend} linear_act {activation} bias={bias} autocast={autocast} {dtype} {m}x{k}x{n}",
+                         check_linear_act, x, w, b, activation, backend, dtype, autocast)
 
 
-def mlp_cases(backend, dtype, tol):
-    # fused_mlp's backward applies act' in place on its own dh (act_backward_cuda_, Triton out=dy).
-    # Through the public function, which loads the extension ("torch": the eager block)
-    from ampkernels.ops.mlp import fused_mlp
-    for (m, k, h) in ((1, 16, 40), (33, 13, 8), (70, 64, 200)):
-        for activation in ampkernels.ACTIVATIONS:
-            t = lambda *s: (0.5 * torch.randn(*s, device=dev)).to(dtype).requires_grad_()
-            x, w1, b1, w2, b2 = t(m, k), t(h, k), t(h), t(k, h), t(k)
-            out = fused_mlp(x, w1, b1, w2, b2, activation, backend=backend)
-            d = [v.detach() for v in (x, w1, b1, w2, b2)]
-            want = reference.linear_act(reference.linear_act(*d[:3], activation), d[3], d[4], "identity")
-            check(f"{backend} fused_mlp {activation} {dtype} {m}x{k}x{h}", out, want, 4 * tol)
-            out.float().sum().backward()
+def mlp_cases(backend, dtype):
+    # fused_mlp's backward applies act' in place on its own dh (act_backward_cuda_, Triton out=dy)
+    for fused_dgrad in ("0", "1") if backend == "triton" else ("0",):
+        os.environ["AMPKERNELS_TRITON_FUSED_DGRAD"] = fused_dgrad
+        for (m, k, h, n) in ((1, 16, 40, 16), (33, 13, 8, 13), (70, 64, 200, 64), (130, 64, 136, 72)):
+            for activation in ampkernels.ACTIVATIONS:
+                t = lambda *s: _t(s, dtype, scale=0.5)  # noqa: E731
+                case(f"{backend} fused_mlp {activation} dgrad={fused_dgrad} {dtype} {m}x{k}x{h}x{n}", check_mlp,
+                     t(m, k), t(h, k), t(h), t(n, h), t(n), activation, backend, dtype)
+    os.environ.pop("AMPKERNELS_TRITON_FUSED_DGRAD", None)
+
+
+def _gluon_on(backend):
+    """Whether the Triton norms run a second time with the Gluon kernels on (SANITIZER_GLUON=0: no)."""
+    if backend != "triton" or dev != "cuda" or os.environ.get("SANITIZER_GLUON", "1") == "0":
+        return False
+    from ampkernels.triton import layer_norm as tln
+    return tln._gluon.available() and torch.cuda.get_device_capability()[0] >= 8
+
+
+def _dtypes():
+    return [getattr(torch, d) for d in os.environ.get("SANITIZER_DTYPES", "float16 bfloat16").split()]
 
 
 def main(backends):
     torch.manual_seed(0)
     ops = os.environ.get("SANITIZER_OPS", "norms linear_act").split()
     for backend in backends:
-        for dtype in (getattr(torch, d) for d in os.environ.get("SANITIZER_DTYPES", "float16 bfloat16").split()):
-            tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+        for dtype in _dtypes():
             if "norms" in ops:
-                norm_cases(backend, dtype, tol)
+                norm_cases(backend, dtype)
+                if _gluon_on(backend):  # the Gluon kernels' rows (forward from 4104, backward from 8193)
+                    from ampkernels.triton import layer_norm as tln
+                    tln.GLUON = True
+                    norm_cases(backend, dtype, mixes=False, min_n=4096)
+                    tln.GLUON = False
             if "linear_act" in ops:
-                linear_act_cases(backend, dtype, tol)
+                linear_act_cases(backend, dtype)
             if "mlp" in ops:
-                mlp_cases(backend, dtype, tol)
+                mlp_cases(backend, dtype)
         if dev == "cuda":
             torch.cuda.synchronize()
-        print(f"sanitize cases done: {backend}", flush=True)
+        print(f"sanitize cases done: {backend} ({CASES[0]} cases so far)", flush=True)
 
 
 if __name__ == "__main__":

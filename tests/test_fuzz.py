@@ -1,168 +1,397 @@
-"""Property tests (hypothesis): random shapes, dtypes, strides, storage offsets, bias or
-not, activations and eps; every backend matches the float64 reference or raises its
-documented error. The CPU tier runs the Triton kernels under TRITON_INTERPRET=1 (few,
-small examples); the GPU tier runs many more, on every live backend."""
+"""Randomised cases, each against float64: the norms, linear_act and the fused MLP.
+
+Each test draws its cases in a loop from a seeded generator (tests.conftest.input_seed of the
+test's id and the case index): dtypes drawn independently (the norms: x, residual and
+residual_in_fp32, weight, bias, out_dtype, as tests/test_dtype_combos.py enumerates them;
+linear_act / fused_mlp: fp16/bf16, under autocast with fp32 master weights or not), shapes
+(odd, one row, leading dims, 2-D normalized shapes, K or N not multiples of 8), strided views
+and storage offsets (misaligned pointers), eps, bias or not, residual or not, every activation.
+Every case checks the forward and every gradient against float64 autograd, the dtypes of the
+outputs and gradients, and that no input was modified. A failure names the case's seed and
+parameters; AMPKERNELS_FUZZ_SEED=<seed> reruns that case alone (in the test that reported it).
+
+GPU tier: ~11,900 cases. The cuda backend takes the whole space; the triton backend a palette
+per test (a Triton kernel compiles once per pointer-dtype signature, BLOCK_N and integer
+argument class: ==1, multiple of 16, other), so that its compiles stay bounded, with autotuning
+off (one config per kernel: the masking and indexing under test are the same for every tile).
+AMPKERNELS_FUZZ_SCALE=<float> scales every case count (e.g. 0.1 for a quick look, 10 for a soak).
+CPU tier: a few hundred cases, the Triton kernels under TRITON_INTERPRET=1 (fp16/fp32) and the
+torch backend (all dtypes).
+"""
+import os
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import ampkernels
-from ampkernels import reference
-from tests.utils import TOL, assert_rel_close, rel_err
+from ampkernels import backends, reference
+from tests.conftest import input_seed
+from tests.test_dtype_combos import ALL, CPU_DTYPES, ISSUE_31, NormCombo, check_norm, norm_combos
+from tests.utils import TOL, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
-CPU = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-# print_blob: a failing example's report carries the @reproduce_failure line that replays it
-GPU = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+SCALE = float(os.environ.get("AMPKERNELS_FUZZ_SCALE", "1"))
+ONLY = os.environ.get("AMPKERNELS_FUZZ_SEED")
+needs_triton = pytest.mark.skipif(not backends._available("triton")[0], reason="triton unavailable")
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="CPU tier (Triton interpreter)")
+RELU_LIKE = ("relu", "squared_relu")
+BIAS_LAYOUTS = ("contiguous", "strided", "offset")
+# fused_mlp passes b1 to the kernels as given: a strided b1 is read as if contiguous (triton) or
+# refused (cuda); test_fused_mlp_strided_bias below. True once that is fixed.
+MLP_STRIDED_BIAS = False  # act' jumps at 0: a pre-activation rounded across 0 flips it
 
 
-@st.composite
-def tensors(draw, rows, cols, dtype, device):
-    """A (rows, cols) tensor that may be a strided view or start at a storage offset."""
-    layout = draw(st.sampled_from(["contiguous", "offset", "col_stride", "transposed"]))
+def run_cases(request, count, case, salt=""):
+    """case(rng, gen) for `count` seeds derived from the test's id; returns how many ran."""
+    base = input_seed(request.node.nodeid, salt + os.environ.get("AMPKERNELS_TEST_SEED", ""))
+    seeds = [int(ONLY)] if ONLY else [base + i for i in range(max(1, round(count * SCALE)))]
+    for seed in seeds:
+        rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        params = {}
+        try:
+            case(rng, gen, params)
+        except Exception as e:
+            raise AssertionError(f"fuzz case AMPKERNELS_FUZZ_SEED={seed}: {params}\n{type(e).__name__}: {e}") from e
+    return len(seeds)
+
+
+def tensor(shape, dtype, device, gen, layout="contiguous", scale=1.0, offset=0.0):
+    """A random tensor of `shape` laid out as asked: contiguous, at a storage offset of one
+    element (contiguous but misaligned), every other column of a wider one, or transposed."""
+    shape = tuple(shape)
+
+    def rnd(*s):
+        return (torch.randn(*s, generator=gen) * scale + offset).to(device=device, dtype=dtype)
+
     if layout == "offset":
-        base = torch.randn(rows * cols + 1, device=device).to(dtype)
-        return base[1:].view(rows, cols)
-    if layout == "col_stride":
-        return torch.randn(rows, 2 * cols, device=device).to(dtype)[:, ::2]
-    if layout == "transposed":
-        return torch.randn(cols, rows, device=device).to(dtype).t()
-    return torch.randn(rows, cols, device=device).to(dtype)
+        return rnd(torch.Size(shape).numel() + 1)[1:].view(shape)
+    if layout == "strided":
+        return rnd(*shape[:-1], 2 * shape[-1])[..., ::2]
+    if layout == "transposed" and len(shape) >= 2:
+        return rnd(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+    return rnd(*shape)
 
 
-def _norm_case(data, backend, device, dtypes):
-    dtype = data.draw(st.sampled_from(dtypes))
-    rows = data.draw(st.integers(1, 40))
-    n = data.draw(st.integers(1, 300))
-    x = data.draw(tensors(rows, n, dtype, device)) * data.draw(st.sampled_from([1.0, 30.0])) + \
-        data.draw(st.sampled_from([0.0, 100.0]))
-    x = x.to(dtype)
-    param_dtype = data.draw(st.sampled_from([dtype, torch.float32]))
-    w = torch.randn(n, device=device).to(param_dtype) if data.draw(st.booleans()) else None
-    b = torch.randn(n, device=device).to(param_dtype) if data.draw(st.booleans()) else None
-    eps = data.draw(st.sampled_from([1e-5, 1e-6, 1e-2]))
-    is_rms = data.draw(st.booleans())
-    before = x.clone()
-    xg = x.detach().requires_grad_()
-    if is_rms:
-        out = ampkernels.rms_norm(xg, (n,), w, eps, backend=backend)
-        ref = reference.rms_norm(x.double(), (n,), None if w is None else w.double(), eps)
-    else:
-        out = ampkernels.layer_norm(xg, (n,), w, b, eps, backend=backend)
-        ref = reference.layer_norm(x.double(), (n,), None if w is None else w.double(),
-                                   None if b is None else b.double(), eps)
-    assert out.dtype == dtype and out.shape == x.shape
-    assert_rel_close(out, ref, dtype, factor=4 if n > 1 else 1)
-    out.backward(torch.randn_like(out))
-    assert torch.isfinite(xg.grad).all()
-    assert torch.equal(x, before)  # input untouched
+LAYOUTS = ("contiguous", "contiguous", "offset", "strided", "transposed")
 
 
-def _linear_case(data, backend, device, dtypes):
-    dtype = data.draw(st.sampled_from(dtypes))
-    m, k, n = data.draw(st.integers(1, 50)), data.draw(st.integers(1, 70)), data.draw(st.integers(1, 70))
-    x = data.draw(tensors(m, k, dtype, device))
-    w = (data.draw(tensors(n, k, dtype, device)).float() * k**-0.5).to(dtype)
-    bias = torch.randn(n, device=device).to(dtype) if data.draw(st.booleans()) else None
-    activation = data.draw(st.sampled_from(reference.ACTIVATIONS))
-    xg = x.detach().requires_grad_()
-    try:
-        out = ampkernels.linear_act(xg, w, bias, activation, backend=backend)
-    except RuntimeError as e:  # documented: the kernels take fp16/bf16 only
-        assert dtype not in (torch.float16, torch.bfloat16) and "dtype" in str(e), e
-        return
-    ref = reference.linear_act(x.double(), w.double(), None if bias is None else bias.double(), activation)
-    assert out.dtype == dtype and out.shape == (m, n)
-    assert_rel_close(out, ref, dtype, factor=4)
-    out.float().sum().backward()
-    assert torch.isfinite(xg.grad).all()
+# ---------------------------------------------------------------- norms
+
+# row lengths by the kernels' regimes (BLOCK_N = next power of two); the cuda backend draws from
+# all of them, each Triton test from a fixed palette of two
+N_BINS = ((1, 1), (2, 8), (9, 64), (65, 300), (700, 1100), (2000, 2600))
 
 
-def _mlp_case(data, backend, device, dtype):
-    """fused_mlp forward and every gradient against float64 eager, on shapes that TMA can and
-    cannot describe (the act'-epilogue GEMM then declines and the two-step path runs). The
-    bound: 4x the dtype's tolerance, or 4x the error of the eager block run in the same dtype,
-    whichever is larger: with a few terms per output (x of 1 x 1) the 16-bit rounding of the
-    hidden gradient that both make can leave no correct digit after cancellation."""
-    from ampkernels.ops.mlp import fused_mlp
-    from tests.test_mlp import _eager64, _inputs
-    aligned_or_not = lambda top: st.one_of(st.integers(1, top // 8).map(lambda v: 8 * v), st.integers(1, top))
-    m, k, h, n = (data.draw(st.integers(1, 40)), data.draw(st.integers(1, 48)), data.draw(aligned_or_not(80)),
-                  data.draw(aligned_or_not(48)))
-    args = _inputs(m, k, h, n, dtype, device, bias=data.draw(st.booleans()))
-    activation = data.draw(st.sampled_from(reference.ACTIVATIONS))
-    eager_args = [None if a is None else a.detach().clone().requires_grad_() for a in args]
-    x, w1, b1, w2, b2 = eager_args
-    eager = F.linear(reference.act_fwd(F.linear(x, w1, b1), activation), w2, b2)
-    out = fused_mlp(*args, activation, backend=backend)
-    ref, ref_args = _eager64(*args, activation)
-    dout = torch.randn_like(out)
-    for t, grad in ((out, dout), (eager, dout), (ref, dout.double())):
-        t.backward(grad)
-    what = f"({m}x{k}x{h}x{n} {activation})"
-    for name, ours, same_dtype, exact in zip(("out", "dx", "dw1", "db1", "dw2", "db2"), (out, *args),
-                                             (eager, *eager_args), (ref, *ref_args)):
-        if ours is None:
+def norm_case(rng, gen, params, backend, device, combos, bins=N_BINS):
+    combo = rng.choice(combos)
+    lo, hi = rng.choice(bins)
+    n = rng.randint(lo, hi)
+    if combo.residual is not None and not combo.residual_in_fp32 and not combo.is_rms:
+        # LayerNorm of a few elements with a 16-bit stored sum: rows whose spread is near the sum's
+        # rounding get wrong gradients, a known error (test_dtype_combos, docs/reliability.md)
+        n = max(n, 16)
+    nshape = (n,)
+    if n > 3 and n % 2 == 0 and rng.random() < 0.15:
+        nshape = (2, n // 2)  # a 2-D normalized_shape
+    rows = 1 if rng.random() < 0.2 else rng.randint(2, 40)
+    lead = (rng.randint(2, 3),) if rng.random() < 0.3 else ()
+    shape = (*lead, rows, *nshape)
+    scale, offset = rng.choice([1.0, 30.0]), rng.choice([0.0, 0.0, 100.0])
+    if n < 16 or (combo.residual is not None and not combo.residual_in_fp32 and combo.x != torch.float32):
+        # a mean of 100 over a few elements: their spread may be far below 100's fp32 rounding;
+        # the backward reads the sum as stored, rounded to 16 bits: at a mean of 100 that rounding
+        # is ~5% of x - mean (the contract: docs/reliability.md), no test of the kernels' accuracy
+        offset = 0.0
+    layouts = [rng.choice(LAYOUTS) for _ in range(4)]
+    eps = rng.choice([1e-5, 1e-6, 1e-2])
+    use = rng.choice(["both", "out", "res_out"]) if combo.residual is not None else "out"
+    params.update(backend=backend, combo=str(combo), shape=shape, normalized_shape=nshape, scale=scale,
+                  offset=offset, layouts=layouts, eps=eps, use=use)
+    x = tensor(shape, combo.x, device, gen, layouts[0], scale, offset)
+    r = None if combo.residual is None else tensor(shape, combo.residual, device, gen, layouts[1])
+    w = None if combo.weight is None else tensor(nshape, combo.weight, device, gen, layouts[2], 0.5, 1.0)
+    b = None if combo.bias is None or combo.is_rms else tensor(nshape, combo.bias, device, gen, layouts[3], 0.5)
+    # fp32 rows of mean 100: the fp32 row sums carry ~1e-5 of x - mean (any fp32 implementation)
+    factor = 20 if offset and combo.x == torch.float32 else 4
+    check_norm(combo.is_rms, x, w, b, r, backend=backend, residual_in_fp32=combo.residual_in_fp32,
+               out_dtype=combo.out, eps=eps, normalized_shape=nshape, factor=factor, use_out=use != "res_out",
+               use_res_out=use != "out", what=f"{backend} {combo}")
+
+
+def every_combo(dtypes, x_dtypes=None):
+    return [c for is_rms in (False, True) for x in (x_dtypes or dtypes) for c in norm_combos(is_rms, x, dtypes)]
+
+
+def triton_palette(rng, is_rms, x_dtype, dtypes=ALL, size=4):
+    """`size` combos for one Triton test (issue 31's first when it applies), and two N bins."""
+    combos = norm_combos(is_rms, x_dtype, dtypes)
+    chosen = [c for c in ISSUE_31 if c.is_rms == is_rms and c.x == x_dtype]
+    chosen += rng.sample([c for c in combos if c not in chosen], size - len(chosen))
+    return chosen, rng.sample(N_BINS[:5], 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", range(6))
+def test_norms_gpu_cuda(request, chunk):
+    run_cases(request, 1000, lambda rng, gen, p: norm_case(rng, gen, p, "cuda", "cuda", every_combo(ALL)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", ALL, ids=str)
+@pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
+def test_norms_gpu_triton(request, is_rms, x_dtype):
+    combos, bins = triton_palette(random.Random(input_seed(request.node.nodeid, "palette")), is_rms, x_dtype)
+    run_cases(request, 500, lambda rng, gen, p: norm_case(rng, gen, p, "triton", "cuda", combos, bins))
+
+
+@needs_triton
+@cpu_only
+def test_norms_triton_interpreter(request):
+    combos = every_combo(CPU_DTYPES)
+    run_cases(request, 150, lambda rng, gen, p: norm_case(rng, gen, p, "triton", "cpu", combos, N_BINS[:5]))
+
+
+def test_norms_torch_backend(request):
+    combos = every_combo(ALL)
+    run_cases(request, 150, lambda rng, gen, p: norm_case(rng, gen, p, "torch", "cpu", combos, N_BINS[:5]))
+
+
+# ---------------------------------------------------------------- linear_act and fused_mlp
+
+
+def _assert_close_or_as_eager(ours, eager, exact, dtype, what):
+    """Each (name, tensor) of ours within max(4 TOL, 4x the same-dtype eager error) of float64:
+    with few terms per output (K or M of 1) the 16-bit rounding both make can leave no correct
+    digit after cancellation."""
+    for (name, got), same, want in zip(ours, eager, exact):
+        if got is None:
             continue
-        get = (lambda t: t) if name == "out" else (lambda t: t.grad)
-        bound = max(4 * TOL[dtype], 4 * rel_err(get(same_dtype), get(exact)))
-        err = rel_err(get(ours), get(exact))
-        assert err <= bound, f"{name} {what}: relative error {err:.2e} > {bound:.2e}"
+        assert not torch.isnan(got).any() or torch.isnan(want).any(), f"{what} {name}: NaN"
+        bound = max(4 * TOL[dtype], 4 * rel_err(same, want))
+        err = rel_err(got, want)
+        assert err <= bound, f"{what} {name}: relative error {err:.2e} > {bound:.2e}"
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="CPU tier (Triton interpreter)")
-@CPU
-@given(st.data())
-def test_fused_mlp_triton_fused_dgrad_interpreter(data):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", "1")
-        _mlp_case(data, "triton", "cpu", torch.float16)
+def _near_zero(pre64, x64, w64, dtype):
+    """Whether some pre-activation is within 16 units of `dtype` of its terms' size from 0, where
+    a ReLU-like act' may flip between implementations that round differently."""
+    with torch.no_grad():
+        size = x64.abs() @ w64.abs().t()
+        return bool((pre64.abs() <= 16 * torch.finfo(dtype).eps * size + 1e-30).any())
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="CPU tier (Triton interpreter)")
-@CPU
-@given(st.data())
-def test_norms_triton_interpreter(data):
-    _norm_case(data, "triton", "cpu", [torch.float16, torch.float32])
+def _leaves(tensors):
+    return [None if t is None else t.detach().requires_grad_() for t in tensors]
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="CPU tier (Triton interpreter)")
-@CPU
-@given(st.data())
-def test_linear_act_triton_interpreter(data):
-    _linear_case(data, "triton", "cpu", [torch.float16, torch.float32])
+def _f64(tensors, dtype):
+    # the values the op computes with: autocast's cast to the compute dtype, then float64
+    return [None if t is None else t.detach().to(dtype).double().requires_grad_() for t in tensors]
 
 
-@CPU
-@given(st.data())
-def test_norms_and_linear_act_reference_backend(data):
-    _norm_case(data, "torch", "cpu", [torch.float16, torch.bfloat16, torch.float32])
-    _linear_case(data, "torch", "cpu", [torch.float32])
+def _draw_dims(rng, triton_palette_dims, top=80):
+    if triton_palette_dims:  # (K, N) classes: any size but 16-divisible (Triton specialises on it)
+        aligned = rng.random() < 0.5  # multiples of 8, not 16: TMA (and on Hopper the ping-pong kernel)
+        pick = (lambda: 8 * rng.choice([1, 3, 5, 7])) if aligned else (lambda: rng.choice([v for v in range(1, top)
+                                                                                              if v % 8]))
+        return pick(), pick()
+    dim = lambda: 8 * rng.randint(1, top // 8) if rng.random() < 0.4 else rng.randint(1, top)  # noqa: E731
+    return dim(), dim()
+
+
+def _dtype_setup(rng, device, dtypes):
+    dtype = rng.choice(dtypes)
+    autocast = device == "cuda" and rng.random() < 0.5
+    return dtype, autocast, (torch.float32 if autocast else dtype)
+
+
+def linear_act_case(rng, gen, params, backend, device, dtypes, activation=None, palette=False):
+    dtype, autocast, pdtype = _dtype_setup(rng, device, dtypes)
+    activation = activation or rng.choice(reference.ACTIVATIONS)
+    k, n = _draw_dims(rng, palette)
+    m = 1 if rng.random() < 0.1 else rng.randint(2, 64)
+    lead = (rng.randint(2, 3),) if rng.random() < 0.3 else ()
+    m = m if not lead or m > 1 else 2
+    bias = rng.random() < 0.6
+    xdtype = rng.choice([dtype, torch.float32]) if autocast else dtype
+    layouts = [rng.choice(LAYOUTS), rng.choice(("contiguous", "transposed", "strided"))]
+    params.update(backend=backend, dtype=dtype, autocast=autocast, x_dtype=xdtype, activation=activation,
+                  shape=(*lead, m, k), n=n, bias=bias, layouts=layouts)
+    x = tensor((*lead, m, k), xdtype, device, gen, layouts[0])
+    w = tensor((n, k), pdtype, device, gen, layouts[1], scale=k ** -0.5)
+    b = tensor((n,), pdtype, device, gen, rng.choice(BIAS_LAYOUTS)) if bias else None
+    check_linear_act(x, w, b, activation, backend, dtype, autocast, params)
+
+
+def check_linear_act(x, w, b, activation, backend, dtype, autocast=False, params=None):
+    """linear_act (under autocast to dtype, or not) and its backward against float64 autograd
+    and the same-dtype eager op; inputs as given (any layout); no input modified."""
+    inputs = [x, w, b]
+    before = [None if t is None else t.clone() for t in inputs]
+    ours, eager, exact = _leaves(inputs), _leaves(inputs), _f64(inputs, dtype)
+    with torch.autocast(x.device.type, dtype=dtype, enabled=autocast):
+        y = ampkernels.linear_act(*ours, activation, backend=backend)
+        y_eager = reference.act_fwd(F.linear(*eager), activation)
+    pre64 = F.linear(*exact)
+    y64 = reference.act_fwd(pre64, activation)
+    assert y.dtype == dtype and y.shape == (*x.shape[:-1], w.shape[0]), f"out {y.dtype} {tuple(y.shape)}"
+    _assert_close_or_as_eager([("out", y)], [y_eager], [y64], dtype, "linear_act")
+    _backward_and_compare(y, y_eager, y64, ours, eager, exact, ("dx", "dweight", "dbias"), dtype, "linear_act",
+                          params, activation in RELU_LIKE and _near_zero(pre64, exact[0], exact[1], dtype))
+    _assert_unmodified(inputs, before)
+
+
+def _backward_and_compare(y, y_eager, y64, ours, eager, exact, names, dtype, what, params, tie):
+    dy = torch.randn(y.shape, device=y.device).to(y.dtype)
+    y.backward(dy)
+    y_eager.backward(dy)
+    y64.backward(dy.double())
+    for name, t in zip(names, ours):
+        if t is not None:
+            assert t.grad is not None and t.grad.dtype == t.dtype, f"{what} {name}: grad {getattr(t.grad, 'dtype', None)}"
+    if tie:  # a pre-activation at a ReLU kink: act' there is either side's to pick
+        if params is not None:
+            params["grads"] = "not compared (a pre-activation within rounding of 0)"
+        return
+    _assert_close_or_as_eager([(nm, None if t is None else t.grad) for nm, t in zip(names, ours)],
+                              [None if t is None else t.grad for t in eager],
+                              [None if t is None else t.grad for t in exact], dtype, what)
+
+
+def _assert_unmodified(inputs, before):
+    for t, t0 in zip(inputs, before):
+        assert t is None or torch.equal(t, t0), "an input was modified"
+
+
+def mlp_case(rng, gen, params, backend, device, dtypes, palette=False):
+    dtype, autocast, pdtype = _dtype_setup(rng, device, dtypes)
+    activation = rng.choice(reference.ACTIVATIONS)
+    k, h = _draw_dims(rng, palette)
+    n = _draw_dims(rng, palette, 48)[0]
+    m = 1 if rng.random() < 0.1 else rng.randint(2, 40)
+    lead = (2,) if rng.random() < 0.3 else ()
+    bias = rng.random() < 0.6
+    layouts = [rng.choice(LAYOUTS), rng.choice(("contiguous", "transposed")), rng.choice(("contiguous", "transposed"))]
+    params.update(backend=backend, dtype=dtype, autocast=autocast, activation=activation, shape=(*lead, m, k),
+                  h=h, n=n, bias=bias, layouts=layouts)
+    x = tensor((*lead, m, k), dtype, device, gen, layouts[0])
+    w1 = tensor((h, k), pdtype, device, gen, layouts[1], scale=k ** -0.5)
+    w2 = tensor((n, h), pdtype, device, gen, layouts[2], scale=h ** -0.5)
+    bias_layouts = BIAS_LAYOUTS if MLP_STRIDED_BIAS else ("contiguous", "offset")
+    b1, b2 = [tensor((d,), pdtype, device, gen, rng.choice(bias_layouts)) if bias else None for d in (h, n)]
+    check_mlp(x, w1, b1, w2, b2, activation, backend, dtype, autocast, params)
+
+
+def check_mlp(x, w1, b1, w2, b2, activation, backend, dtype, autocast=False, params=None):
+    """fused_mlp as check_linear_act checks linear_act."""
+    from ampkernels.ops.mlp import fused_mlp
+    inputs = [x, w1, b1, w2, b2]
+    before = [None if t is None else t.clone() for t in inputs]
+    ours, eager, exact = _leaves(inputs), _leaves(inputs), _f64(inputs, dtype)
+
+    def block(a):
+        return F.linear(reference.act_fwd(F.linear(a[0], a[1], a[2]), activation), a[3], a[4])
+
+    with torch.autocast(x.device.type, dtype=dtype, enabled=autocast):
+        out = fused_mlp(*ours, activation, backend=backend)
+        out_eager = block(eager)
+    out64 = block(exact)
+    assert out.dtype == dtype and out.shape == (*x.shape[:-1], w2.shape[0]), f"out {out.dtype} {tuple(out.shape)}"
+    _assert_close_or_as_eager([("out", out)], [out_eager], [out64], dtype, "fused_mlp")
+    tie = activation in RELU_LIKE and _near_zero(F.linear(*exact[:3]), exact[0], exact[1], dtype)
+    _backward_and_compare(out, out_eager, out64, ours, eager, exact, ("dx", "dw1", "db1", "dw2", "db2"), dtype,
+                          "fused_mlp", params, tie)
+    _assert_unmodified(inputs, before)
+
+
+@pytest.fixture
+def untuned_triton(monkeypatch):
+    """The Triton matmuls with their first config only and no ping-pong/TMA timing: a fuzz case
+    of a new shape would otherwise autotune (benchmark every config) once per shape."""
+    import triton
+    from ampkernels.triton import linear_act as tk
+    monkeypatch.setattr(tk, "_AUTOTUNE", False)
+    for name in dir(tk):
+        kernel = getattr(tk, name)
+        if isinstance(kernel, triton.runtime.Autotuner) and len(kernel.configs) > 1:
+            monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
-@GPU
-@given(data=st.data())
-def test_norms_gpu(backend, data):
-    _norm_case(data, backend, "cuda", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("chunk", range(2))
+def test_linear_act_gpu_cuda(request, chunk):
+    run_cases(request, 750, lambda rng, gen, p: linear_act_case(rng, gen, p, "cuda", "cuda",
+                                                                (torch.float16, torch.bfloat16)))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
-@GPU
-@given(data=st.data())
-def test_linear_act_gpu(backend, data):
-    _linear_case(data, backend, "cuda", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+def test_linear_act_gpu_triton(request, activation, untuned_triton):
+    run_cases(request, 100, lambda rng, gen, p: linear_act_case(rng, gen, p, "triton", "cuda",
+                                                                (torch.float16, torch.bfloat16), activation, True))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend, fused_dgrad", [("cuda", "0"), ("triton", "0"), ("triton", "1")])
-@GPU
-@given(data=st.data())
-def test_fused_mlp_gpu(backend, fused_dgrad, data):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", fused_dgrad)
-        _mlp_case(data, backend, "cuda", data.draw(st.sampled_from([torch.float16, torch.bfloat16])))
+@pytest.mark.parametrize("chunk", range(2))
+def test_fused_mlp_gpu_cuda(request, chunk):
+    run_cases(request, 250, lambda rng, gen, p: mlp_case(rng, gen, p, "cuda", "cuda", (torch.float16, torch.bfloat16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused_dgrad", ["0", "1"])
+def test_fused_mlp_gpu_triton(request, fused_dgrad, monkeypatch, untuned_triton):
+    monkeypatch.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", fused_dgrad)
+    run_cases(request, 150, lambda rng, gen, p: mlp_case(rng, gen, p, "triton", "cuda",
+                                                         (torch.float16, torch.bfloat16), palette=True))
+
+
+@needs_triton
+@cpu_only
+def test_linear_act_triton_interpreter(request):
+    run_cases(request, 40, lambda rng, gen, p: linear_act_case(rng, gen, p, "triton", "cpu", (torch.float16,)))
+
+
+@needs_triton
+@cpu_only
+@pytest.mark.parametrize("fused_dgrad", ["0", "1"])
+def test_fused_mlp_triton_interpreter(request, fused_dgrad, monkeypatch):
+    monkeypatch.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", fused_dgrad)
+    run_cases(request, 10, lambda rng, gen, p: mlp_case(rng, gen, p, "triton", "cpu", (torch.float16,)))
+
+
+def test_linear_act_and_mlp_torch_backend(request):
+    run_cases(request, 30, lambda rng, gen, p: linear_act_case(rng, gen, p, "torch", "cpu", (torch.float32,)))
+    run_cases(request, 15, lambda rng, gen, p: mlp_case(rng, gen, p, "torch", "cpu", (torch.float32,)), "mlp")
+
+
+def test_fuzz_reports_the_failing_case(request, monkeypatch):
+    # a wrong result is reported with the seed and parameters that reproduce it
+    import ampkernels.ops.layer_norm as ln
+    real = ln._fwd_impl
+    monkeypatch.setattr(ln, "_fwd_impl", lambda *a: (real(*a)[0] * 1.01, *real(*a)[1:]))
+    combos = [NormCombo(False, torch.float32, weight=torch.float32)]
+    with pytest.raises(AssertionError, match=r"AMPKERNELS_FUZZ_SEED=\d+: \{'backend': 'torch', 'combo': 'ln x=fp32"):
+        run_cases(request, 1, lambda rng, gen, p: norm_case(rng, gen, p, "torch", "cpu", combos, N_BINS[3:4]))
+
+
+@pytest.mark.xfail(strict=True, reason="fused_mlp hands a non-contiguous b1 to the kernels as is (ops/mlp.py)")
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=[needs_triton, cpu_only]),
+                                     pytest.param("cuda", marks=pytest.mark.gpu),
+                                     pytest.param("triton_gpu", marks=pytest.mark.gpu)])
+def test_fused_mlp_strided_bias(backend):
+    # Found by this file's fuzz: F.linear (and linear_act, which calls .contiguous()) take a strided
+    # bias; fused_mlp's triton path reads b1[::2] as b1's storage (relative error ~1 at 1d214b4+),
+    # the cuda path raises linear_act_fwd_cuda's "bias must be contiguous". Remove the xfail
+    # and set MLP_STRIDED_BIAS once ops/mlp.py fused_mlp passes b1.contiguous().
+    from ampkernels.ops.mlp import fused_mlp
+    device = "cpu" if backend == "triton" else "cuda"
+    gen = torch.Generator().manual_seed(0)
+    x, w1, b1 = (tensor(s, torch.float16, device, gen, lay, scale=sc)
+                 for s, lay, sc in (((5, 16), "contiguous", 1.0), ((24, 16), "contiguous", 0.25), ((24,), "strided", 1.0)))
+    w2, b2 = tensor((8, 24), torch.float16, device, gen, scale=0.2), tensor((8,), torch.float16, device, gen, "strided")
+    out = fused_mlp(x, w1, b1, w2, b2, "relu", backend=backend.split("_")[0])
+    d = [t.double() for t in (x, w1, b1, w2, b2)]
+    ref = F.linear(torch.relu(F.linear(d[0], d[1], d[2])), d[3], d[4])
+    assert rel_err(out, ref) <= 4 * TOL[torch.float16]
