@@ -29,8 +29,7 @@ ampkernels/triton/layer_norm.py):
   M, N at 63/65 and 127/129), the pointer and TMA forwards, on Hopper the ping-pong GEMM
   (AMPKERNELS_TRITON_AUTOTUNE=0 makes it the TMA-ready shapes' kernel: K and N multiples of 8;
   more tiles than SMs, so each consumer runs several), autocast with fp32 master weights.
-- mlp: fused_mlp's backward (act' in place on its own dh) with and without
-  AMPKERNELS_TRITON_FUSED_DGRAD (the act'-epilogue GEMM), TMA-ready shapes and not.
+- mlp: fused_mlp's backward (act' in place on its own dh), TMA-ready shapes and not.
 The cases run inside a function so that every tensor is freed before the process exits:
 memcheck's leak check would otherwise count the module-level tensors still alive at exit.
 """
@@ -109,14 +108,11 @@ def linear_act_cases(backend, dtype):
 
 def mlp_cases(backend, dtype):
     # fused_mlp's backward applies act' in place on its own dh (act_backward_cuda_, Triton out=dy)
-    for fused_dgrad in ("0", "1") if backend == "triton" else ("0",):
-        os.environ["AMPKERNELS_TRITON_FUSED_DGRAD"] = fused_dgrad
-        for (m, k, h, n) in ((1, 16, 40, 16), (33, 13, 8, 13), (70, 64, 200, 64), (130, 64, 136, 72)):
-            for activation in ampkernels.ACTIVATIONS:
-                t = lambda *s: _t(s, dtype, scale=0.5)  # noqa: E731
-                case(f"{backend} fused_mlp {activation} dgrad={fused_dgrad} {dtype} {m}x{k}x{h}x{n}", check_mlp,
-                     t(m, k), t(h, k), t(h), t(n, h), t(n), activation, backend, dtype)
-    os.environ.pop("AMPKERNELS_TRITON_FUSED_DGRAD", None)
+    for (m, k, h, n) in ((1, 16, 40, 16), (33, 13, 8, 13), (70, 64, 200, 64), (130, 64, 136, 72)):
+        for activation in ampkernels.ACTIVATIONS:
+            t = lambda *s: _t(s, dtype, scale=0.5)  # noqa: E731
+            case(f"{backend} fused_mlp {activation} {dtype} {m}x{k}x{h}x{n}", check_mlp,
+                 t(m, k), t(h, k), t(h), t(n, h), t(n), activation, backend, dtype)
 
 
 def _gluon_on(backend):

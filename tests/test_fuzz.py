@@ -38,9 +38,6 @@ needs_triton = pytest.mark.skipif(not backends._available("triton")[0], reason="
 cpu_only = pytest.mark.skipif(HAS_CUDA, reason="CPU tier (Triton interpreter)")
 RELU_LIKE = ("relu", "squared_relu")
 BIAS_LAYOUTS = ("contiguous", "strided", "offset")
-# fused_mlp passes b1 to the kernels as given: a strided b1 is read as if contiguous (triton) or
-# refused (cuda); test_fused_mlp_strided_bias below. True once that is fixed.
-MLP_STRIDED_BIAS = False  # act' jumps at 0: a pre-activation rounded across 0 flips it
 
 
 def run_cases(request, count, case, salt=""):
@@ -279,8 +276,7 @@ def mlp_case(rng, gen, params, backend, device, dtypes, palette=False):
     x = tensor((*lead, m, k), dtype, device, gen, layouts[0])
     w1 = tensor((h, k), pdtype, device, gen, layouts[1], scale=k ** -0.5)
     w2 = tensor((n, h), pdtype, device, gen, layouts[2], scale=h ** -0.5)
-    bias_layouts = BIAS_LAYOUTS if MLP_STRIDED_BIAS else ("contiguous", "offset")
-    b1, b2 = [tensor((d,), pdtype, device, gen, rng.choice(bias_layouts)) if bias else None for d in (h, n)]
+    b1, b2 = [tensor((d,), pdtype, device, gen, rng.choice(BIAS_LAYOUTS)) if bias else None for d in (h, n)]
     check_mlp(x, w1, b1, w2, b2, activation, backend, dtype, autocast, params)
 
 
@@ -340,9 +336,8 @@ def test_fused_mlp_gpu_cuda(request, chunk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_dgrad", ["0", "1"])
-def test_fused_mlp_gpu_triton(request, fused_dgrad, monkeypatch, untuned_triton):
-    monkeypatch.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", fused_dgrad)
+@pytest.mark.parametrize("chunk", range(2))
+def test_fused_mlp_gpu_triton(request, chunk, untuned_triton):
     run_cases(request, 150, lambda rng, gen, p: mlp_case(rng, gen, p, "triton", "cuda",
                                                          (torch.float16, torch.bfloat16), palette=True))
 
@@ -355,9 +350,8 @@ def test_linear_act_triton_interpreter(request):
 
 @needs_triton
 @cpu_only
-@pytest.mark.parametrize("fused_dgrad", ["0", "1"])
-def test_fused_mlp_triton_interpreter(request, fused_dgrad, monkeypatch):
-    monkeypatch.setenv("AMPKERNELS_TRITON_FUSED_DGRAD", fused_dgrad)
+@pytest.mark.parametrize("chunk", range(2))
+def test_fused_mlp_triton_interpreter(request, chunk):
     run_cases(request, 10, lambda rng, gen, p: mlp_case(rng, gen, p, "triton", "cpu", (torch.float16,)))
 
 
@@ -376,15 +370,12 @@ def test_fuzz_reports_the_failing_case(request, monkeypatch):
         run_cases(request, 1, lambda rng, gen, p: norm_case(rng, gen, p, "torch", "cpu", combos, N_BINS[3:4]))
 
 
-@pytest.mark.xfail(strict=True, reason="fused_mlp hands a non-contiguous b1 to the kernels as is (ops/mlp.py)")
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=[needs_triton, cpu_only]),
                                      pytest.param("cuda", marks=pytest.mark.gpu),
                                      pytest.param("triton_gpu", marks=pytest.mark.gpu)])
 def test_fused_mlp_strided_bias(backend):
-    # Found by this file's fuzz: F.linear (and linear_act, which calls .contiguous()) take a strided
-    # bias; fused_mlp's triton path reads b1[::2] as b1's storage (relative error ~1 at 1d214b4+),
-    # the cuda path raises linear_act_fwd_cuda's "bias must be contiguous". Remove the xfail
-    # and set MLP_STRIDED_BIAS once ops/mlp.py fused_mlp passes b1.contiguous().
+    # found by this file's fuzz: F.linear takes a strided bias; fused_mlp's Triton path read b1[::2]
+    # as b1's storage and its cuda path refused it
     from ampkernels.ops.mlp import fused_mlp
     device = "cpu" if backend == "triton" else "cuda"
     gen = torch.Generator().manual_seed(0)

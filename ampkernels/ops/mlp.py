@@ -202,6 +202,7 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
                    unsupported)
     if name == "torch":  # the eager block, exactly what FusedMLP replaces (F.linear casts under autocast)
         return F.linear(reference.act_fwd(F.linear(x, w1, b1), activation), w2, b2)
-    out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]).contiguous(), w1.contiguous(), b1, w2.contiguous(), b2,
-                                 activation, name, cast_to)
+    contiguous = lambda t: None if t is None else t.contiguous()  # noqa: E731  (the kernels' layout)
+    out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]).contiguous(), w1.contiguous(), contiguous(b1),
+                                 w2.contiguous(), contiguous(b2), activation, name, cast_to)
     return out.reshape(*x.shape[:-1], w2.shape[0])
