@@ -6,7 +6,8 @@ compile against a different torch). When the build environment has no torch
 (plain `pip install .`), no nvcc or a CPU-only torch, the package installs
 without _C and ampkernels compiles the same sources at first use on a CUDA
 machine (ampkernels/_extension.py). AMPKERNELS_FORCE_CUDA=1 turns a skipped
-build into an error. TORCH_CUDA_ARCH_LIST and MAX_JOBS are honoured.
+build into an error. TORCH_CUDA_ARCH_LIST and MAX_JOBS are honoured; with neither
+TORCH_CUDA_ARCH_LIST nor a visible GPU the build picks _build_env.NO_GPU_ARCH_LIST.
 """
 import os
 import sys
@@ -37,8 +38,10 @@ def extension_build():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     flags = _build_env.compile_flags()
-    say(f"building ampkernels._C with CUDA_HOME={os.environ['CUDA_HOME']}, "
-        f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(torch default)')}")
+    archs, which = _build_env.arch_list()
+    if archs is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs  # read by cpp_extension when it compiles
+    say(f"building ampkernels._C with CUDA_HOME={os.environ['CUDA_HOME']}; {which}")
     ext = CUDAExtension(
         name="ampkernels._C",
         sources=[os.path.relpath(p, ROOT) for p in _build_env.sources()],  # setuptools wants relative paths

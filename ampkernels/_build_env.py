@@ -1,15 +1,21 @@
 """Toolchain discovery for building ampkernels._C (used by setup.py and the first-use build).
 
 Kept free of ampkernels imports so that setup.py can load it without the package.
-Facts it handles (see ../shared/MACHINES.md): `which nvcc` may be a wrapper outside
-the toolkit, so torch's own CUDA_HOME guess can be wrong; the toolkit may lack the
-cuBLAS/cuSPARSE headers that torch's headers need, which the nvidia pip wheels
-carry; cuBLASLt may ship only as a versioned libcublasLt.so.N.
+Facts it handles: `which nvcc` may be a wrapper outside the toolkit, so torch's own
+CUDA_HOME guess can be wrong; the toolkit may lack the cuBLAS/cuSPARSE headers that
+torch's headers need, which the nvidia pip wheels carry; cuBLASLt may ship only as a
+versioned libcublasLt.so.N; a build machine may have nvcc but no GPU, where torch's
+cpp_extension cannot guess the architectures (it fails on an empty list).
 """
 import glob
 import os
 import shutil
 import sysconfig
+
+# Built when no GPU is visible and TORCH_CUDA_ARCH_LIST is unset: sm_80 code runs on every
+# Ampere/Ada GPU (8.x), sm_90 on Hopper (where the kernels are tuned), and sm_90 PTX is
+# compiled by the driver for newer GPUs. Two architectures keep a 2-core build in minutes.
+NO_GPU_ARCH_LIST = "8.0;9.0+PTX"
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _CSRC_CANDIDATES = (os.path.join(HERE, "csrc"), os.path.join(os.path.dirname(HERE), "csrc"))
@@ -94,6 +100,18 @@ def compile_flags():
         # the full path: the unversioned libcublasLt.so may not exist; rpath finds it when torch has not loaded it
         "ldflags": [lib, f"-Wl,-rpath,{os.path.dirname(lib)}"],
     }
+
+
+def arch_list():
+    """(TORCH_CUDA_ARCH_LIST to build with, or None to let torch build for the visible GPUs;
+    a sentence saying which)."""
+    user = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if user:
+        return user, f"building for {user} (TORCH_CUDA_ARCH_LIST)"
+    import torch
+    if torch.cuda.device_count() > 0:
+        return None, "building for the visible GPUs' architectures"
+    return NO_GPU_ARCH_LIST, f"no visible GPU: building for {NO_GPU_ARCH_LIST} (set TORCH_CUDA_ARCH_LIST to choose)"
 
 
 def cannot_build_reason():

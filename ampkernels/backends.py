@@ -20,7 +20,7 @@ _logged = set()
 
 
 def triton_interpret():
-    """TRITON_INTERPRET=1: Triton kernels run on CPU tensors (tests; see MACHINES.md)."""
+    """TRITON_INTERPRET=1: Triton kernels run on CPU tensors (the CPU test tier)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -85,18 +85,27 @@ def requested(backend=None):
 
 
 def _can_run(name, device):
-    """None if backend `name` can run on tensors of `device`, else why not."""
+    """None if backend `name` can run on tensors of `device`, else why not (the tensors' device
+    first: it is what the caller can change)."""
     ok, reason = _available(name)
+    on_cpu_interpreter = name == "triton" and triton_interpret() and device.type == "cpu"
+    if device.type != "cuda" and not on_cpu_interpreter:
+        why = f"backend {name!r} needs CUDA tensors, got tensors on {device}"
+        return why if ok else f"{why} (and it is unavailable here: {reason})"
     if not ok:
         return f"backend {name!r} is unavailable: {reason}"
-    if name == "cuda" and device.type != "cuda":
-        return f"backend 'cuda' needs CUDA tensors, got tensors on {device}"
-    if name == "triton" and device.type != "cuda" and not (triton_interpret() and device.type == "cpu"):
-        return f"backend 'triton' needs CUDA tensors, got tensors on {device}"
     return None
 
 
-@torch.compiler.assume_constant_result
+def assume_constant_result(fn):
+    """torch.compiler.assume_constant_result without its import of torch._dynamo (~0.7 s, most
+    of `import ampkernels` beyond torch's own): the decorator only sets this attribute, which
+    dynamo reads when it traces a call (tests/test_backends.py checks that it still does)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def select(op, backend, device, preference, unsupported=None):
     """The backend to run `op` with.
 
@@ -110,13 +119,14 @@ def select(op, backend, device, preference, unsupported=None):
     if name == "torch":
         return "torch"
     if name != "auto":
-        why_not = unsupported or _can_run(name, device)
+        # the backend's own limits (device, availability) before the input's (dtype): a CPU
+        # tensor is the reason to name even when its dtype would not do either
+        why_not = _can_run(name, device) or unsupported
         if why_not is None:
             return name
         if explicit:
             raise RuntimeError(f"ampkernels.{op}: {why_not}")
-        if device.type == "cuda":
-            _log_once(f"ampkernels.{op}: AMPKERNELS_BACKEND={name} cannot run here ({why_not}); using 'auto'")
+        _log_once(f"ampkernels.{op}: AMPKERNELS_BACKEND={name} cannot run here ({why_not}); using 'auto'")
     if unsupported or device.type != "cuda":
         return "torch"
     for candidate in preference:

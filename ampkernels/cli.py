@@ -1,7 +1,7 @@
-"""Command line: `ampkernels doctor`, `ampkernels bench` (also `python -m ampkernels ...`)."""
+"""Command line: `ampkernels doctor`, `ampkernels bench`, `ampkernels --version` (also `python -m ampkernels ...`)."""
 import sys
 
-USAGE = """usage: ampkernels {doctor,bench} [options]
+USAGE = """usage: ampkernels {doctor,bench,--version} [options]
 
   doctor   which backends are live on this machine and why not (--json for machines)
   bench    side-by-side benchmarks against PyTorch eager, torch.compile and public
@@ -19,6 +19,10 @@ def main(argv=None):
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+        print(f"ampkernels {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "doctor":
         from .doctor import main as doctor_main

@@ -60,10 +60,8 @@ __device__ __forceinline__ float gaussian_tail(float a) {
   return t * ex2_approx(p - 0.7213475204444817f * a * a);
 }
 
-// d act / dz at z. The backward passes stream two tensors in and one out. With erff / tanhf /
-// expf and a division, the CUDA act' pass fell behind its loads: 3.30-3.49 TB/s for erf GELU
-// against 3.81-4.01 for the Triton pass, which uses the forms below
-// (benchmarks/results/h200-2026-12-01-9836fa4-dz-pass-probe.log). Same formulas as
+// d act / dz at z. The backward passes stream two tensors in and one out; with erff / tanhf /
+// expf and a division the act' pass falls behind its loads (docs/performance.md). Same formulas as
 // ampkernels/triton/epilogue.py _act_grad: within 2e-5 relative + 1e-6 absolute of float64;
 // NaN for NaN and, as torch's formulas give, for +-inf (inf * 0).
 template <Activation A>

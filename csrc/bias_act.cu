@@ -219,8 +219,9 @@ cudaError_t reduce_partials(const float* partial, void* out, int num_chunks, int
   });
 }
 
-#define AMPK_STR2(x) #x
-#define AMPK_STR(x) AMPK_STR2(x)
+// variadic: with several architectures __CUDA_ARCH_LIST__ is a comma-separated list ("800,900")
+#define AMPK_STR2(...) #__VA_ARGS__
+#define AMPK_STR(...) AMPK_STR2(__VA_ARGS__)
 const char* compiled_arch_list() {
 #ifdef __CUDA_ARCH_LIST__
   return AMPK_STR(__CUDA_ARCH_LIST__);

@@ -15,29 +15,11 @@
 // sum of centred squares (robust for rows with a large mean). Rows longer than 512 threads x 4
 // vectors take norm_fwd_looped_kernel: one block per row, three passes over the row (L2-resident).
 // With a residual, s = x + residual is normalised unrounded and stored as residual_out.
-// Tried at 14572ee: mean and variance in one exchange of merged (count, mean, M2) moments (Chan's
-// pairwise update) instead of two reductions ran 2.1-3.4 TB/s against two passes' 2.7-3.8 on the
-// H200, 10-25% slower at every N (benchmarks/results/h200-2026-11-30-14572ee-norm-ab.log).
-// Tried at dcf3d2b: the statistics with one block barrier where a row spans several warps (each
-// warp centred on its own mean, the warps' moments combined by Chan's formula): within -4%..+3%
-// of two passes (16-bit or fp32 params), slower at N = 16384; dropped (h200-2026-11-30-dcf3d2b-
-// norm-ab.log; code: git show 0b33769).
-// Tried at 1622f6b: fewer vectors a thread (3, 2, 1 instead of up to 4; more threads a row, as
-// Triton's 16 elements a thread): 15-35% slower wherever it changed the tile, for both norms,
-// both params dtypes (h200-2026-11-30-1622f6b-norm-fwd-iters-ab.log). Bytes in flight per thread
-// are what this kernel lives on.
-// Nsight Compute at c2c6bb7 (h200-2026-11-30-c2c6bb7-ncu-norm.txt; scripts/ncu_norm.sh): the
-// LayerNorm forward at N = 4096 issued an instruction on 80% of scheduler cycles, ~990 a warp
-// against ~540 for Triton's (which keeps x in fp32: 80 registers, 37.5% occupancy, 3.99 TB/s).
-// Two tries at fewer instructions a row, both A/B'd from one build and dropped:
-// - two rows a group of threads, sharing the params' loads, the exchanges and the row set-up
-//   (at 8bc7e59, h200-2026-11-30-8bc7e59-norm-fwd-rows-ab.log): 2-30% slower except at N = 768;
-// - the 16-bit row kept in fp32 registers, centred once (at 3ee6967, h200-2026-11-30-3ee6967-
-//   norm-fwd-tile-ab.log; 78-85 registers): 5-35% slower except at N = 768, where G = 32.
-// Occupancy (blocks resident to overlap each other's reductions) outweighs instruction count.
-// What did help: zero-filling a slot as one 128-bit word in load_tile_raw (below), and fewer
-// instructions with fewer registers: a compile-time group size (fwd_static_group, 3.75-3.95 TB/s
-// for LayerNorm in the benchmark at 51fa175, against 3.11-3.85 at 4ce559d).
+// Why this shape: the kernel lives on bytes in flight per thread and on blocks resident per SM
+// (one block's reductions overlap another's loads); fewer vectors a thread, two rows a group, an
+// fp32 tile of the 16-bit row and a pipelined persistent forward were all slower (numbers in
+// docs/performance.md). The common 16-bit case has G as a compile-time constant
+// (fwd_static_group): fewer integer instructions and registers, 16-byte output stores.
 //
 // Backward. Three kernels, picked per call (bwd_pipe_config, bwd_config); all persistent: each
 // block loops over rows, writes dx (and dresidual when its dtype differs from dx's) and keeps its
@@ -49,51 +31,20 @@
 //   separate dresidual, dresidual_out absent or in x's dtype; params fp32, 16-bit or none;
 //   cols <= 16384 where its buffers fit the GPU's shared memory: on the H200 all but N > 14336
 //   with dresidual_out): a group of G <= 512 threads per row, each thread owning the same 2..4
-//   chunks of 8 columns in every row.
-//   Its weight stays in fp32 registers (for 4 chunks in a per-thread shared-memory slot) and its
-//   dweight/dbias sums in registers for the whole kernel; the x/dy (and dresidual_out) chunks of
-//   the next rows are in flight as cp.async copies into a 2-stage buffer, each thread copying
-//   and reading back only its own slots (no barrier guards the buffer); mean/rstd are loaded one
-//   row ahead; a row takes one barrier (its two sums, when G > 32). Blocks of whole rows, up to
-//   256 threads (G threads when G > 256); 117-128 registers, so about 16 warps and 64-128 KB of
-//   x/dy in flight per SM (2 stages). Why: the previous backward (below) loaded each row only
-//   when it got there, so at one block per SM its load latency was exposed, and it re-read the
-//   params after the reductions; public kernels at 2.8-3.9 TB/s (QuACK) overlap the next row's
-//   loads.
+//   chunks of 8 columns in every row. Its weight stays in fp32 registers (for 4 chunks in a
+//   per-thread shared-memory slot) and its dweight/dbias sums in registers for the whole
+//   kernel; the next rows' x/dy (and dresidual_out) chunks are in flight as cp.async copies into
+//   a 2-stage buffer, each thread copying and reading back only its own slots (no barrier guards
+//   the buffer); mean/rstd are loaded one row ahead; a row takes one barrier (its two sums, when
+//   G > 32). Why: a backward that loads each row only when it gets there exposes its load
+//   latency at one block per SM. Its 2 stages and block sizes are reasoned, not tuned
+//   (kPipeStages = 3 is a one-line change where shared memory allows).
 // - norm_bwd_kernel (the rest up to 1024 threads x 2 vectors per row): as the forward's tile,
-//   loads issued when the row starts, per-thread shared-memory slots for the column sums.
+//   loads issued when the row starts, per-thread shared-memory slots for the column sums. Its
+//   16-bit 2-vector variant spills ~80 bytes (only for cases the pipelined kernel does not take).
 // - norm_bwd_looped_kernel (longer rows): two passes per row, partial sums kept in the block's
 //   own partial row in global memory.
-//
-// Measured on the H200 at a6d9463 (benchmarks/results/h200-2026-11-30-a6d9463*, bf16,
-// M*N = 2^27, N = 768..16384): forward 3.55-3.75 TB/s (RMSNorm), 2.97-3.39 (LayerNorm), up from
-// 2.0-3.4 at fp16 before the forward changes below; backward 1.8-2.3 TB/s (target 3.2), with
-// norm_bwd_kernel for every 16-bit case. norm_bwd_pipe_kernel, measured at 7672746
-// (benchmarks/results/h200x2-2026-11-30-7672746-norm*, fp16 and bf16): 3.0-3.7 TB/s, against
-// 1.8-2.4 for the per-row kernels in the same build (AMPKERNELS_NORM_BWD_PIPE=0); the GPU tests
-// and compute-sanitizer's racecheck/memcheck/initcheck passed with it. It was written on a
-// machine without a GPU and checked first by a CPU emulation (tools/kernel_emu: one thread per
-// CUDA thread, float64 reference, bitwise repeatable).
-// Changes behind the a6d9463 numbers:
-// - forward: the 16-bit row is kept raw (half the registers), the kernel is capped at 64
-//   registers (__launch_bounds__(512, 2); was 81-97, i.e. one 512-thread block per SM at
-//   N >= 8192, so no block's loads overlapped another's reductions); kIters may be 3 (N = 768,
-//   1536, 12288 waste no register slot); mean and variance use separate shared buffers (one
-//   barrier per reduction instead of two); params have a compile-time storage type per dispatch.
-//   With a residual the fp32 tile stays (__launch_bounds__(512, 1), as before).
-// - backward: the two row sums share one reduction (two barriers per row instead of four).
-// Known limits: norm_bwd_kernel's 16-bit 2-vector variant spills ~80 bytes (now only for the
-// cases the pipelined kernel does not take); the pipelined kernel's 2 stages, block sizes and
-// kIters model (bwd_pipe_config) are reasoned, not tuned: AMPKERNELS_NORM_BWD_PIPE=0 runs the
-// previous kernels instead and =2/3/4 forces kIters, for side-by-side runs from one build;
-// kPipeStages = 3 is a one-line change where shared memory allows.
-// Tried and dropped: a persistent pipelined forward built like norm_bwd_pipe_kernel (cp.async
-// into 2 stages, persistent blocks). Measured at ae7a2f1 on the H200 against the kernels here in
-// the same build (benchmarks/results/h200-2026-11-30-ae7a2f1-norm-ab.log): 2.0-3.5 TB/s vs
-// 2.7-4.0, slower at every N, dtype and norm; the forward needs no row-ahead overlap because many
-// register-tile blocks per SM already keep enough loads in flight. Its code: git show 1ce7948.
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -171,8 +122,7 @@ __device__ __forceinline__ void load_tile_raw(Pack<TS, kVec> (&raw)[kIters], con
     const int64_t j = t + int64_t(k) * G;
     if constexpr (sizeof(Pack<TS, kVec>) == 16) {
       // as one 128-bit word: the compiler otherwise selects load-or-zero per 16-bit element, a
-      // byte permute each (without them the LayerNorm forward ran 2-7% faster at N = 1024..8192
-      // in the A/B at 3ee6967; RMSNorm bf16 at N = 16384 ran 6% slower, 3.35 against 3.58)
+      // byte permute each (docs/performance.md: 2-7% on the LayerNorm forward)
       uint4 u = make_uint4(0u, 0u, 0u, 0u);
       if (valid && j < nvec) u = *reinterpret_cast<const uint4*>(static_cast<const TS*>(p) + base + j * kVec);
       memcpy(&raw[k], &u, 16);
@@ -1019,31 +969,15 @@ TileConfig bwd_config(const NormBackwardArgs& a) {
 
 // The forward's common case, 16-bit x in 16-byte vectors (with or without a residual), has its
 // group size as a compile-time constant (then G >= 32 goes with 3 or 4 vectors a thread): the
-// butterfly unrolls and a thread's slot addresses are one pointer plus constant offsets. With a runtime G,
-// Nsight Compute counted half of its instructions as integer and branch work, and at the 64-
-// register cap nvcc split each 16-byte output store into four (h200-2026-11-30-303896c-ncu-norm-
-// source.txt); with it, 56 registers and 16-byte stores. Measured at 67a4e5b from one build
-// (h200-2026-12-01-67a4e5b-norm-fwd-static-group-ab.log): LayerNorm 3.89-3.95 TB/s against
-// 3.49-3.74 at N = 768..4096, 3.53-3.60 against 3.12 at 16384; with fp32 params 3.42 against 2.75
-// at 16384; RMSNorm fp16 up to 2% slower at N = 1024..4096, elsewhere faster.
-// G = 512 (N > 8192 at 16 bits) runs three blocks an SM (40 registers, ~100 bytes of spill
-// loads) instead of two: at 243ae57 (h200-2026-12-01-243ae57-norm-fwd-three-blocks-ab.log)
-// 3.64-4.03 against 3.18-3.69 at N = 12288 and 3.77-3.92 against 3.55-3.90 at 16384, except with
-// fp32 params and 4 vectors a thread (N = 16384): 3.14-3.27 against 3.39-3.87, so two there.
-// Four blocks (32 registers, 500-800 bytes of spill loads) ran 2.3-3.3, and the looped kernel
-// for rows of N >= 8192 1.8-2.6 (h200-2026-12-01-8e27dab-norm-fwd-four-blocks-looped-ab.log).
-// With a residual (fp32 tile, bounds of one 512-thread block an SM): 71 registers instead of 90,
-// and 16-byte stores of out and residual_out (nvcc had split them too): the same speed at N <=
-// 4096, 1-6% faster at 8192 and 13-20% at 16384 (h200-2026-12-01-e251f11-norm-fwd-residual-ab.log).
-// AMPKERNELS_NORM_FWD_STATIC_GROUP=0, read once, runs the runtime-G kernel instead (A/B runs).
+// butterfly unrolls and a thread's slot addresses are one pointer plus constant offsets. With a
+// runtime G half of the instructions were integer and branch work, and at the 64-register cap
+// nvcc split each 16-byte output store into four. G = 512 (N > 8192 at 16 bits) runs three
+// blocks an SM (40 registers, a little spill) instead of two, except with fp32 params and 4
+// vectors a thread (N = 16384), where two are faster; four blocks spill too much. With a residual
+// (fp32 tile) one 512-thread block an SM.
 // Runs f.template operator()<kGroup, kMinBlocks>() and returns true where such a variant exists.
 template <typename F>
 bool fwd_static_group(int group, bool three_blocks, F&& f) {
-  static const bool enabled = [] {
-    const char* s = std::getenv("AMPKERNELS_NORM_FWD_STATIC_GROUP");
-    return s == nullptr || std::strcmp(s, "0") != 0;
-  }();
-  if (!enabled) return false;
   switch (group) {
     case 32: f.template operator()<32, 2>(); return true;
     case 64: f.template operator()<64, 2>(); return true;
@@ -1125,27 +1059,11 @@ struct PipeConfig {
 // kIters in 2..4 by a model of the used fraction of the SM: (owned slots / all slots) x
 // (resident threads / 512), 512 being what ~128 registers per thread allow. E.g. N = 1536:
 // 3 x 64 threads (2 blocks of 256 per SM) over 2 x 96 (2 x 192). Ties go to the most chunks a
-// thread where a row still spans two warps or more, else to the fewest: at dcf3d2b (h200-2026-
-// 11-30-dcf3d2b-norm-ab.log) kIters 4 over 2 ran 3.52 against 3.26 TB/s at N = 4096 (bf16
-// LayerNorm), 3.25-3.27 against 3.04-3.14 at 8192, 3.55 against 3.31-3.46 at 2048 (the same
-// bytes in flight per SM, half the threads a row: fewer shuffles and barriers per byte), but at
-// N = 1024, where it makes rows of one warp, 3.48 against 3.62 for bf16 (fp16 3.51 / 3.46).
-// AMPKERNELS_NORM_BWD_PIPE, read once, for measuring: "0" turns the pipelined backward off (the
-// other kernels take every call: old and new side by side from one build), "2", "3" or "4"
-// forces its kIters (where that fits; else the other kernels). Unset or anything else: the model.
-int pipe_iters_override() {
-  static const int v = [] {
-    const char* s = std::getenv("AMPKERNELS_NORM_BWD_PIPE");
-    if (s == nullptr || s[0] == 0 || s[1] != 0 || !(s[0] == '0' || (s[0] >= '2' && s[0] <= '4'))) return -1;
-    return s[0] - '0';
-  }();
-  return v;
-}
-
+// thread where a row still spans two warps or more (the same bytes in flight per SM, half the
+// threads a row: fewer shuffles and barriers per byte), else to the fewest: at N = 1024, rows of
+// one warp were slower with 4 chunks.
 cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
   *out = PipeConfig{0, 0, 0, 0, 0};
-  const int forced = pipe_iters_override();
-  if (forced == 0) return cudaSuccess;
   if (a.x_dtype == DType::kFloat32 || bwd_vec(a) != kPipeVec) return cudaSuccess;
   if (a.dx_dtype != a.x_dtype || a.dresidual != nullptr) return cudaSuccess;
   if (a.dresidual_out != nullptr && a.dresidual_out_dtype != a.x_dtype) return cudaSuccess;
@@ -1160,7 +1078,7 @@ cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
   for (int iters = 2; iters <= 4; ++iters) {
     const int64_t per = ceil_div(nvec, iters);
     const int64_t group = per <= 32 ? next_pow2(per) : ceil_div(per, 32) * 32;  // whole warps, or a power of two
-    if (group > kPipeMaxThreads || (forced > 0 && iters != forced)) continue;
+    if (group > kPipeMaxThreads) continue;
     PipeConfig c{iters, int(group), 0, 0, 0};
     c.threads = c.group >= kPipeBlockThreads ? c.group : kPipeBlockThreads / c.group * c.group;
     c.smem = pipe_smem_bytes(c.iters, c.threads, a.dresidual_out != nullptr);

@@ -32,9 +32,8 @@ namespace {
 // dz = dy * act'(saved), elementwise over a flat array. One thread owns kUnroll vectors of kVec
 // consecutive elements a step (16-byte loads and stores when every pointer is 16-byte aligned
 // and numel is a multiple of the vector, which the fused path guarantees; else one element),
-// loading all of them before it computes or stores any: more bytes in flight a thread (with
-// one vector a step this pass ran at 3.1-3.2 TB/s against 4.1 for torch's dy * saved,
-// benchmarks/results/h200-2026-12-01-dz-pass-probe.log). dz may be dy (in place,
+// loading all of them before it computes or stores any: more bytes in flight a thread (one
+// vector a step ran well below torch's dy * saved). dz may be dy (in place,
 // act_backward_cuda_): a thread loads its elements before it stores them, and dy/dz carry no
 // __restrict__ so the compiler is not told otherwise.
 template <typename T, Activation A, int kVec, int kUnroll>

@@ -2,36 +2,31 @@
 # One call on the GPU machine: build + install, doctor, the GPU test tier, benchmarks.
 # Logs and JSON go under $OUT (default ./out; at most 8 files come back from the device
 # tool, so plots are drawn afterwards from results.jsonl); a short summary is printed last.
+# docs/benchmarking.md describes the runs and how to read what comes back.
 #
-#   bash scripts/gpu_run.sh                       # everything
+#   bash scripts/gpu_run.sh                       # everything: pytest -m gpu -n 6, then all benchmarks
 #   GPU_TESTS="tests/test_layer_norm.py" GPU_BENCH="layer_norm" bash scripts/gpu_run.sh
 #   GPU_TESTS=none GPU_BENCH="linear_act" BENCH_ARGS="--quick" bash scripts/gpu_run.sh
+#   GPU_TESTS=none GPU_BENCH=none GPU_CMD='python scripts/profile_mlp_block.py --out "$OUT"' bash scripts/gpu_run.sh
 #
-# GPU_TESTS: pytest paths/args for `pytest -m gpu` ("none" skips; split on spaces, so a -k expression
-# there must be one word: at 7cf8101 "-k a or b" ran nothing); GPU_TESTS_K: a -k expression of any
-# length (its words also match the names of the directories above the tests: at 46194bc, with
-# "hopper or pingpong or tma or ..." every GPU test of the files ran, presumably as a directory of
-# the device's copy is named like one of them (env.txt records the path); use words only test
-# names have); the 15 slowest tests are listed at the end of tests.log; GPU_BENCH: benchmark ops
-# (ampkernels/bench/bench_<op>.py; "all" by default, "none" skips); BENCH_ARGS: passed on.
+# GPU_TESTS: pytest paths/args for `pytest -m gpu` ("tests" by default, "none" skips; split on
+# spaces, so a -k expression there must be one word); GPU_TESTS_K: a -k expression of any length
+# (its words also match the names of the directories above the tests: use words only test names
+# have); GPU_TEST_WORKERS: pytest-xdist workers (6; 0 runs in one process). The 15 slowest tests
+# are listed at the end of tests.log.
+# GPU_BENCH: benchmark ops (ampkernels/bench/bench_<op>.py; "all" by default, "none" skips);
+# BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows; set it literally, from this side's git (the
-# copy's .git HEAD may not be the copied tree: at 8bc7e59..4ce559d a $(git rev-parse) run on the
-# device gave c2c6bb7 every time).
+# copy's .git HEAD may not be the copied tree).
 # GPU_JIT_CHECK=1 also checks the first-use build of a package installed without _C.
 # .wheels/ (scripts/fetch_wheels.sh; carry it along) is installed after the build: public
 # providers (liger-kernel) measured beside ours.
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
-# GPU_PROBE=scripts/<probe>.py runs that probe with $PROBE_ARGS --out $OUT (PROBE_TIMEOUT caps it).
-# GPU_NCU=1 runs scripts/ncu_norm.sh (Nsight Compute over single norm forward launches; NCU_*
-# variables pass on) into ncu-norm.txt; GPU_NCU=pingpong scripts/ncu_pingpong.sh (the Hopper
-# ping-pong linear_act forward, ReLU against erf GELU) into ncu-pingpong.txt.
-# GPU_NORM_TUNE=1 runs the Triton norm forward's launch sweep (fp16, bf16) into norm-sweep.jsonl
-# (progress in norm-tune.log); GPU_NORM_TUNE=ab the CUDA norm backward's pipeline depth A/B
-# (scripts/norm_ab.py: the model's pick, then kIters forced to 2, 3 and 4) into norm-tune.log.
+# GPU_CMD: a shell command run after the benchmarks (OUT exported; output in cmd.log, capped by
+# GPU_CMD_TIMEOUT seconds, 600 by default), e.g. a profile or a launch sweep.
 # BENCH_SPREAD=1 on a machine with several GPUs runs the benchmark modules in parallel, one
-# process per module queued round-robin over the GPUs, rows merged. Off by default: at 9692629
-# the host load of one process (autotuning, torch.compile) slowed the other's host-bound rows
-# (Triton-launched norm backwards, the MLP block, GPT-2) by 15-60% while GPU-bound rows matched.
+# process per module queued round-robin over the GPUs, rows merged. Off by default: the host load
+# of one process (autotuning, torch.compile) slows the other's host-bound rows.
 # TESTS_TIMEOUT / BENCH_TIMEOUT (seconds) cap those steps so that one call fits its limit;
 # what ran before the cap stays in the logs and results.jsonl.
 # More than 8 files under $OUT: the *.log files go into one logs.tar.gz (8 files come back).
@@ -39,7 +34,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+export OUT MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1  # architectures: the visible GPU's
 export AMPKERNELS_FORCE_CUDA=1   # a GPU machine must build the extension
 PY=${PYTHON:-python3}
 status=()
@@ -78,41 +73,15 @@ fi
 step doctor doctor.json $PY -m ampkernels doctor --json
 
 if [ "${GPU_TESTS:-tests}" != none ]; then
-  # SIGINT at the cap: pytest then still reports the failures so far (at 58695ad a plain timeout
-  # killed it before it printed which test_fuzz example failed)
+  # SIGINT at the cap: pytest then still reports the failures so far (a plain timeout kills it
+  # before it prints which example failed)
   # shellcheck disable=SC2086
   step tests tests.log timeout -s INT -k 60 "${TESTS_TIMEOUT:-3000}" $PY -m pytest -m gpu -q -p no:cacheprovider \
-    --durations=15 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:-tests}
+    -n "${GPU_TEST_WORKERS:-6}" --durations=15 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:-tests}
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
-fi
-norm_tune() {
-  local d
-  for d in float16 bfloat16; do
-    $PY -m ampkernels.bench.bench_layer_norm --sweep --sweep-pass fwd --dtype $d --out "$OUT/norm-sweep-$d" || return
-    cat "$OUT/norm-sweep-$d/results.jsonl" >>"$OUT/norm-sweep.jsonl" && rm -rf "$OUT/norm-sweep-$d"
-  done
-}
-norm_bwd_depth_ab() {
-  local k
-  for k in "" 2 3 4; do
-    AMPKERNELS_NORM_BWD_PIPE=$k $PY scripts/norm_ab.py --pass bwd || return
-  done
-}
-if [ "${GPU_NORM_TUNE:-0}" = 1 ]; then
-  step norm_tune norm-tune.log norm_tune
-elif [ "${GPU_NORM_TUNE:-0}" = ab ]; then
-  step norm_tune norm-tune.log norm_bwd_depth_ab
 fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then
   step sanitize sanitize.log env OUT="$OUT" bash scripts/sanitize.sh
-fi
-if [ "${GPU_NCU:-0}" = 1 ]; then
-  step ncu ncu.log env OUT="$OUT" bash scripts/ncu_norm.sh
-elif [ "${GPU_NCU:-0}" = pingpong ]; then
-  step ncu ncu.log env OUT="$OUT" bash scripts/ncu_pingpong.sh
-fi
-if [ -n "${GPU_PROBE:-}" ]; then  # e.g. GPU_PROBE=scripts/matmul_act_grad_probe.py: writes its own log under $OUT
-  step probe probe.out timeout "${PROBE_TIMEOUT:-600}" $PY "$GPU_PROBE" ${PROBE_ARGS:-} --out "$OUT"
 fi
 bench_spread() {  # one benchmark module per process, queued round-robin over the $ngpu GPUs
   local ops=$1 i=0 op
@@ -129,7 +98,7 @@ bench_spread() {  # one benchmark module per process, queued round-robin over th
   done
   wait
   # one results.jsonl / results.csv / report.txt, as a single run writes them
-  echo "targets (DESIGN.md), measured in this run:" >"$OUT/report.txt"
+  echo "targets, measured in this run:" >"$OUT/report.txt"
   for op in $ops; do
     local d="$OUT/bench-$op"
     [ -f "$d/results.jsonl" ] && cat "$d/results.jsonl" >>"$OUT/results.jsonl"
@@ -148,6 +117,9 @@ if [ "${GPU_BENCH:-all}" != none ]; then
     # shellcheck disable=SC2086
     step bench bench.log timeout "${BENCH_TIMEOUT:-3000}" $PY -m ampkernels bench --op ${GPU_BENCH:-all} --out "$OUT" ${BENCH_ARGS:-}
   fi
+fi
+if [ -n "${GPU_CMD:-}" ]; then
+  step cmd cmd.log timeout "${GPU_CMD_TIMEOUT:-600}" bash -c "$GPU_CMD"
 fi
 
 echo "== summary"

@@ -25,7 +25,7 @@ At N = 16384: 58 configs per case, 464 in all; about 3 minutes with compiles; --
 --gluon-ab times only the library's choice, the Gluon backward and the CUDA backend's (the A/B that
 decides the Gluon backward's default).
 
-    GPU_TESTS=none GPU_BENCH=none GPU_PROBE=scripts/norm_bwd_sweep.py PROBE_ARGS="16384" bash scripts/gpu_run.sh
+    GPU_TESTS=none GPU_BENCH=none GPU_CMD='python scripts/norm_bwd_sweep.py 16384 --out "$OUT"' bash scripts/gpu_run.sh
     python scripts/norm_bwd_sweep.py [N] [--out DIR] [--budget-s 230] [--gluon-ab]
     python scripts/norm_bwd_sweep.py --cpu-smoke   # TRITON_INTERPRET=1, CPU, N = 64, fp16, no timing
 """

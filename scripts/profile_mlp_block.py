@@ -3,7 +3,7 @@
 
     python scripts/profile_mlp_block.py [T H dtype] [--only kernels|host] [--out DIR]   # e.g. 16384 1024 bfloat16
 
---out DIR also writes the report to DIR/profile-mlp-block.txt (scripts/gpu_run.sh GPU_PROBE=).
+--out DIR also writes the report to DIR/profile-mlp-block.txt (scripts/gpu_run.sh GPU_CMD=).
 Variants: eager; LayerNorm + FusedMLP on "auto" (cuda) and on Triton; the eager block after
 nn.convert.
 

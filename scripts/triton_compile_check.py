@@ -125,7 +125,7 @@ class Checker:
             regs, spills = self.ptxas_usage(kernel)
             threads = kernel.metadata.num_warps * 32  # every partition's warps (ttg.total-num-warps)
             if regs is not None and threads > _max_threads(regs):
-                # what the GPU's launch refuses (OutOfResources "threads"): at 4872a41 a 20-warp
+                # what the GPU's launch refuses (OutOfResources "threads"), e.g. a 20-warp
                 # kernel of 102 registers, whose block may hold 512 threads
                 raise OutOfResources(threads, _max_threads(regs), "threads")
             if self.verbose or spills:

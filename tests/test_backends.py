@@ -29,16 +29,38 @@ def test_cpu_tensors_take_the_reference():
     assert backends.select("op", "auto", torch.device("cpu"), ("cuda", "triton")) == "torch"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
-def test_explicit_cuda_on_cpu_is_a_clear_error():
-    with pytest.raises(RuntimeError, match=r"ampkernels.bias_act: backend 'cuda' is unavailable: .*"):
+def test_explicit_cuda_on_cpu_tensors_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"ampkernels.bias_act: backend 'cuda' needs CUDA tensors, got tensors on cpu"):
         ampkernels.bias_act(torch.randn(2, 8), None, "relu", backend="cuda")
 
 
-def test_env_request_that_cannot_run_falls_back(monkeypatch, caplog):
-    monkeypatch.setenv("AMPKERNELS_BACKEND", "cuda")
+def test_explicit_triton_on_cpu_tensors_names_the_device_not_the_dtype(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w = torch.randn(4, 8), torch.randn(16, 8)  # fp32: the kernels would not take the dtype either
+    with pytest.raises(RuntimeError, match="backend 'triton' needs CUDA tensors, got tensors on cpu"):
+        ampkernels.linear_act(x, w, None, "relu", backend="triton")
+
+
+@pytest.mark.parametrize("name", ["cuda", "triton"])
+def test_env_request_that_cannot_run_falls_back_with_one_log_line(monkeypatch, caplog, name):
+    monkeypatch.setenv("AMPKERNELS_BACKEND", name)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(backends, "_logged", set())
     with caplog.at_level(logging.WARNING, logger="ampkernels"):
-        assert backends.select("op", None, torch.device("cpu"), ("cuda",)) == "torch"
+        for _ in range(3):
+            assert backends.select("op", None, torch.device("cpu"), ("cuda",)) == "torch"
+    lines = [r.getMessage() for r in caplog.records if f"AMPKERNELS_BACKEND={name}" in r.getMessage()]
+    assert len(lines) == 1 and "needs CUDA tensors" in lines[0], lines
+
+
+def test_select_is_marked_constant_for_dynamo_without_importing_it():
+    # backends.assume_constant_result stands in for torch.compiler.assume_constant_result, whose
+    # import of torch._dynamo costs most of `import ampkernels`: both must mark a function alike
+    def probe():
+        return 0
+    torch.compiler.assume_constant_result(probe)
+    assert vars(probe) == vars(backends.assume_constant_result(lambda: 0)) == {"_dynamo_marked_constant": True}
+    assert backends.select._dynamo_marked_constant
 
 
 def test_unsupported_input_uses_torch_or_errors_when_explicit():

@@ -39,6 +39,12 @@ def test_doctor_text_has_a_verdict():
     assert "verdict" in proc.stdout and "backend       torch" in proc.stdout
 
 
+def test_version():
+    import ampkernels
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"ampkernels {ampkernels.__version__}", proc.stderr
+
+
 def test_help_and_unknown_command():
     assert run_cli("--help").returncode == 0
     proc = run_cli("frobnicate")

@@ -6,7 +6,7 @@ machine that installed without the extension they skip and say why.
 import pytest
 import torch
 
-from ampkernels import _extension, reference
+from ampkernels import _build_env, _extension, reference
 
 loaded = _extension.load()
 needs_ext = pytest.mark.skipif(not loaded, reason=f"extension not built here: {_extension.status()[1]}")
@@ -43,6 +43,24 @@ def test_missing_extension_is_reported_not_raised():
     loaded_now, reason, how = _extension.status()
     assert isinstance(reason, str) and reason
     assert loaded_now == loaded and (how is not None) == bool(loaded)
+
+
+def test_user_arch_list_is_honoured(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")
+    archs, which = _build_env.arch_list()
+    assert archs == "8.6" and "TORCH_CUDA_ARCH_LIST" in which
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="the no-GPU build machine's case")
+def test_build_without_a_visible_gpu_picks_archs_torch_accepts(monkeypatch):
+    # unset, torch's cpp_extension has no GPU to take architectures from and fails on the empty list
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    archs, which = _build_env.arch_list()
+    assert archs == _build_env.NO_GPU_ARCH_LIST and which.startswith(f"no visible GPU: building for {archs}")
+    from torch.utils import cpp_extension
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)
+    flags = " ".join(cpp_extension._get_cuda_arch_flags())
+    assert "code=sm_80" in flags and "code=sm_90" in flags and "code=compute_90" in flags, flags
 
 
 @pytest.mark.gpu

@@ -500,40 +500,21 @@ def test_gluon_fwd_takes_only_what_it_can(monkeypatch):
     assert tln._gluon_fwd_programs_per_sm(x, w32(16384), w32(16384), None) == 0
 
 
-def test_triton_bwd_config_stages_and_fit(monkeypatch):
-    """Launch-config choice (pure Python): the env switch back to the previous launch, and the
-    shared-memory fit that lowers num_stages or takes the looped kernel."""
+def test_triton_bwd_config_stages_and_fit():
+    """Launch-config choice (pure Python), and the shared-memory fit that lowers num_stages or
+    takes the looped kernel."""
     pytest.importorskip("triton")
     from ampkernels.triton import layer_norm as tln
     h200_smem = 232448
     try:
-        for env, want in ((None, (1024, 2, 4, 4, False, 3)), ("1", (1024, 2, 4, 4, False, 1)),
-                          ("2", (1024, 2, 4, 4, False, 2))):
-            if env is None:
-                monkeypatch.delenv(tln._STAGES_ENV, raising=False)
-            else:
-                monkeypatch.setenv(tln._STAGES_ENV, env)
-            tln._bwd_config.cache_clear()
-            tln._bwd_stages_override.cache_clear()
-            assert tln._bwd_config(768) == want, env
-            if env == "1":
-                assert tln._bwd_config(16384) == (tln._LOOP_BLOCK, 1, 16, 1, True, 1)
-            else:
-                assert tln._bwd_config(16384) == (16384, 1, 16, 1, False, 2)
-                assert tln._bwd_config(65536)[4]
-            if env is None:  # RMSNorm's own launch at 16384, by params width
-                assert tln._bwd_config(16384, True) == (16384, 1, 32, 1, False, 1)
-                assert tln._bwd_config(16384, True, True) == (16384, 1, 16, 1, False, 1)
-                assert tln._bwd_config(8192, True) == tln._bwd_config(8192)
-            else:  # the override applies to both norms
-                assert tln._bwd_config(16384, True) == tln._bwd_config(16384)
-        monkeypatch.setenv(tln._STAGES_ENV, "x")
-        tln._bwd_stages_override.cache_clear()
-        with pytest.raises(ValueError, match=tln._STAGES_ENV):
-            tln._bwd_config(100000)
-        monkeypatch.delenv(tln._STAGES_ENV)
         tln._bwd_config.cache_clear()
-        tln._bwd_stages_override.cache_clear()
+        assert tln._bwd_config(768) == (1024, 2, 4, 4, False, 3)
+        assert tln._bwd_config(16384) == (16384, 1, 16, 1, False, 2)
+        assert tln._bwd_config(65536)[4]
+        # RMSNorm's own launch at 16384, by params width
+        assert tln._bwd_config(16384, True) == (16384, 1, 32, 1, False, 1)
+        assert tln._bwd_config(16384, True, True) == (16384, 1, 16, 1, False, 1)
+        assert tln._bwd_config(8192, True) == tln._bwd_config(8192)
         t = {dt: torch.empty(0, dtype=dt) for dt in (torch.float16, torch.float32)}
         h, f = t[torch.float16], t[torch.float32]
         cfg = tln._bwd_config(16384)
@@ -545,36 +526,20 @@ def test_triton_bwd_config_stages_and_fit(monkeypatch):
         assert tln._bwd_fit(tln._bwd_config(8192), 100_000, f, f, f, f)[5] == 1
     finally:
         tln._bwd_config.cache_clear()
-        tln._bwd_stages_override.cache_clear()
 
 
-def test_bench_sweep_times_the_default_and_the_previous_bwd_launch(monkeypatch):
-    """ampkernels/bench/bench_layer_norm.py --sweep: for every benchmark N, the default backward config
-    and the launch before the pipelining (AMPKERNELS_TRITON_NORM_BWD_STAGES=1) side by side."""
+def test_bench_sweep_times_the_default_bwd_launch():
+    """ampkernels/bench/bench_layer_norm.py --sweep: for every benchmark N, the default backward
+    config is among the launches it times."""
     pytest.importorskip("triton")
     from ampkernels.triton import layer_norm as tln
     from ampkernels.bench import bench_layer_norm as bench
-    monkeypatch.delenv(tln._STAGES_ENV, raising=False)
-    try:
-        want = {}
-        for env in (None, "1"):
-            if env:
-                monkeypatch.setenv(tln._STAGES_ENV, env)
-            tln._bwd_config.cache_clear()
-            tln._bwd_stages_override.cache_clear()
-            want[env] = {n: tln._bwd_config(n) for n in bench.NS}
-        monkeypatch.delenv(tln._STAGES_ENV)
-        tln._bwd_config.cache_clear()
-        tln._bwd_stages_override.cache_clear()
-        cases = bench._sweep_cases(bench.NS, ("bwd",))
-        ln = {(n, cfg) for n, _, op, w32, cfg in cases if op == "layer_norm" and not w32}
-        for env, configs in want.items():
-            for n, cfg in configs.items():
-                assert (n, cfg) in ln, (env, n, cfg)
-        assert all(len(c[4]) == 6 for c in cases) and len(cases) <= 40, len(cases)  # ~3 s of compile each
-    finally:
-        tln._bwd_config.cache_clear()
-        tln._bwd_stages_override.cache_clear()
+    tln._bwd_config.cache_clear()
+    cases = bench._sweep_cases(bench.NS, ("bwd",))
+    ln = {(n, cfg) for n, _, op, w32, cfg in cases if op == "layer_norm" and not w32}
+    for n in bench.NS:
+        assert (n, tln._bwd_config(n)) in ln, n
+    assert all(len(c[4]) == 6 for c in cases) and len(cases) <= 40, len(cases)  # ~3 s of compile each
 
 
 def test_triton_fwd_config_for_every_row_length_and_params_dtype():

@@ -59,18 +59,42 @@ class Conv1DAct(torch.nn.Module):
         return f"in={self.weight.shape[0]}, out={self.nf}, activation={self.activation!r}"
 
 
+def _qualified_name(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclasses.dataclass
+class Replacement:
+    path: str            # the module's qualified name in the model
+    old: str             # module-qualified class names: torch's LayerNorm and ours share a short name
+    new: str
+    activation: object   # the activation fused into the new module, or None
+
+
 @dataclasses.dataclass
 class ConvertReport:
-    replaced: list = dataclasses.field(default_factory=list)  # (path, old class, new class)
+    replaced: list = dataclasses.field(default_factory=list)  # (path, old class, new class), short names
+    details: list = dataclasses.field(default_factory=list)   # Replacement per entry of `replaced`
 
     def add(self, path, old, new):
         self.replaced.append((path, type(old).__name__, type(new).__name__))
+        self.details.append(Replacement(path, _qualified_name(type(old)), _qualified_name(type(new)),
+                                        getattr(new, "activation", None)))
+
+    def sort(self, order):
+        """Put the entries in model order: `order` maps a module path to its position."""
+        ranks = [order.get(d.path, len(order)) for d in self.details]
+        keep = sorted(range(len(ranks)), key=ranks.__getitem__)
+        self.replaced = [self.replaced[i] for i in keep]
+        self.details = [self.details[i] for i in keep]
 
     def __str__(self):
         if not self.replaced:
             return "ampkernels.nn.convert: nothing recognised; model unchanged"
         lines = [f"ampkernels.nn.convert: {len(self.replaced)} module(s) replaced"]
-        lines += [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
+        for d in self.details:
+            fused = f" (fused activation: {d.activation})" if d.activation else ""
+            lines.append(f"  {d.path}: {d.old} -> {d.new}{fused}")
         return "\n".join(lines)
 
 
@@ -139,6 +163,8 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
         from ..backends import requested
         requested(backend)  # validate the name now, not at the first forward
     report = ConvertReport()
+    # the report lists modules in model order; the walk below meets a parent's norms before its children
+    model_order = {path: i for i, (path, _) in enumerate(model.named_modules())}
     if norms and type(model) in (torch.nn.LayerNorm, torch.nn.RMSNorm):
         raise ValueError("convert() swaps submodules; wrap a bare norm in a container or use ampkernels.nn directly")
     for path, parent in list(model.named_modules()):
@@ -170,9 +196,10 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
                     continue
                 setattr(parent, name, new)
                 report.add(prefix + name, child, new)
+    report.sort(model_order)
     if verbose:
         print(report)
     return model, report
 
 
-__all__ = ["convert", "ConvertReport", "Conv1DAct", "activation_name"]
+__all__ = ["convert", "ConvertReport", "Replacement", "Conv1DAct", "activation_name"]

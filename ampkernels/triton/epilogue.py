@@ -16,8 +16,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # approximate instructions, ~2 ulp of fp32) and a few FMAs, where the libdevice forms cost 11
 # (silu), 19 (tanh GELU) and 31 (erf GELU) instructions an element more than ReLU (SASS for sm_90,
 # 128x256 tile). That work runs after each tile's main loop, not beside it, so it is time the
-# GEMM loses (at 8192x1024x4096 bf16 the erf GELU ran 433 TFLOP/s against ReLU's 595 with the
-# libdevice forms at 429d844, 485 against 627 with these and two programs per SM at 7cf8101).
+# GEMM loses (docs/performance.md).
 _FAST_MATH = tl.constexpr(not _INTERPRET)  # the interpreter has no inline PTX: exact exp2 and division
 
 

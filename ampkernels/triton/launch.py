@@ -5,9 +5,8 @@ builds launch metadata on every call. Host time is what small and medium calls w
 norm backward costs the H200 machine's host about as much as its kernels take the GPU). launch()
 makes a specialization's first call the normal way and keeps the compiled kernel Triton returns;
 later calls with the same specialization hand the arguments straight to that kernel's launcher
-(the call JITFunction.run itself ends in). That took 9-14 us off a Triton norm backward call's
-~100 (two launches; scripts/norm_bwd_probe.py,
-benchmarks/results/h200-2026-12-01-820e9f8-norm-bwd-probe.log).
+(the call JITFunction.run itself ends in): about a tenth of a Triton norm backward call's host
+time (two launches).
 
 The key is at least as fine as Triton's specialization (tests/test_triton_launch.py checks it
 against Triton's own): per tensor its dtype and whether its address is 16-byte aligned; per int

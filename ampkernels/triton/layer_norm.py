@@ -19,13 +19,9 @@ torch.ops.ampkernels.norm_{fwd,bwd}_cuda ops (ampkernels/ops/layer_norm.py calls
   order. No atomics: bitwise repeatable for a given shape, dtypes and GPU. Rows up to 8192
   elements are held in registers; up to 16384 (RELOAD) only the two sums are, x/dy/weight
   being read again after the row sums; longer rows take the looped kernel (two passes over
-  column chunks, the first pipelined).
-  Measured on the H200 at ae7a2f1 (benchmarks/results/h200-2026-11-30-ae7a2f1-norm-ab.log,
-  backward alone, 16-bit params): 2.1-3.8 TB/s against 1.0-3.3 for the previous launch; faster
-  at 18 of 24 (op, dtype, N), much faster at N = 16384 (2.4-2.95 vs 1.0-1.6), 2-20% slower at
-  six (LayerNorm bf16 2048, fp16 768/4096; RMSNorm bf16 2048, fp16 4096). The per-N launch
-  configs below are reasoned, not swept (bench_layer_norm --sweep times the alternatives).
-  AMPKERNELS_TRITON_NORM_BWD_STAGES=1 restores the previous launch for A/B runs.
+  column chunks, the first pipelined). The per-N launch configs below are reasoned from a
+  sweep of the unpipelined launch (bench_layer_norm --sweep times the alternatives);
+  docs/performance.md has the numbers.
 """
 import functools
 import os
@@ -46,12 +42,9 @@ _LOOP_BLOCK = 4096      # column chunk of the looped backward
 _SMEM_MARGIN = 2048     # shared memory beyond the pipeline buffers (reduction scratch, mean/rstd)
 
 
-# STORE_STATS=False (inference) compiles a variant without the mean/rstd stores: 1-2.5% faster
-# at N <= 1024 (scripts/norm_fwd_probe.py, h200-2026-12-01-*-norm-fwd-probe.log). Its output may
-# differ from the training forward's in the last bit (it did for LayerNorm at non-power-of-two N
-# on the H200 at 065571a). A run-time flag instead, for one kernel and the same bits, cost
-# LayerNorm 12-15% at N = 8192/16384 with the branch after each reduction (466e5ad) and 34% at
-# 16384 with it after the output store (08f4591), on Triton 3.6.
+# STORE_STATS=False (inference) compiles a variant without the mean/rstd stores (8 bytes a row:
+# 1-2.5% at N <= 1024). Its output may differ from the training forward's in the last bit. A
+# run-time flag instead (one kernel, the same bits) made this kernel 12-34% slower at long rows.
 @triton.jit
 def _norm_fwd_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, N, eps,
                      IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -160,10 +153,8 @@ def _chunk_out(X, R, W, B, Y, base, cols, N, row_mean, rstd, HAS_R: tl.constexpr
 # kernel, the same bits; its branch sits between the two passes, where it measured no cost.
 # N is a compile-time constant (one compile per row length, as torch.compile's own kernels for
 # long rows): the loops have constant trip counts (unrolled by the compiler), the chunk
-# offsets and 1 / k are constants. LayerNorm at 16384 in 4096-column chunks, 16 warps (H200,
-# benchmarks/results/h200-2026-12-01-0e8db67-ln-fwd-const-n.log): 3.97 (bf16) / 4.02 (fp16) TB/s
-# with N constant against 2.35 / 2.58 with N a run-time argument; at 8192 (2048/8) 3.96 / 3.93
-# against 2.45 / 2.71.
+# offsets and 1 / k are constants: about 1.5x the bandwidth of the run-time-N kernel at N =
+# 8192-16384 (docs/performance.md).
 @triton.jit(do_not_specialize=["store_stats"])
 def _norm_fwd_chunked_kernel(X, R, W, B, Y, RO, MEAN, RSTD, M, eps, store_stats, N: tl.constexpr,
                              IS_RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
@@ -398,93 +389,40 @@ def _smem_per_program(device):
     return getattr(p, "shared_memory_per_block_optin", 0) or p.shared_memory_per_block
 
 
-# Launch configurations. Measured BEFORE the pipelined backward (ampkernels/bench/bench_layer_norm.py
-# --sweep at d776080, H200, fp16 LayerNorm, M*N = 2^27, launcher alone; rows in
-# benchmarks/results/h200-layer_norm-sweep-2026-11-30.jsonl): forward best at ROWS=4/4 warps for
-# N=768 (3.85 TB/s vs 3.46 with ROWS=2), 1 row/4 warps at 2048 (4.08), 8 warps at 8192 (3.75),
-# 16 warps at 16384 (3.83); backward (rows loaded only when reached, (ROWS, BLOCK_N) sums) best
-# at ROWS=2/4 warps/4 programs per SM for 768 (2.60), 1/4/4 at 2048 (2.95), 1/16/1 at 8192
-# (2.86); at 16384 the register tile spilled (0.46) and the looped kernel won (1.03). The full
-# benchmark at a6d9463 measured that backward at 1.0-2.7 TB/s (bf16, N = 768..16384).
+# Backward launch (_bwd_config). ROWS / warps / programs per SM are the best of a sweep of the
+# unpipelined launch; pipelining adds loads in flight without changing what a step costs in
+# registers (96-116 a thread, no spills, sm_90).
+# - 3 stages: two steps' x/dy in flight per program besides the one being reduced. An H200 needs
+#   about 25 KB of loads in flight per SM to cover HBM latency at full bandwidth (4.8 TB/s x
+#   ~0.7 us / 132 SMs); 3 stages keep 48-64 KB in flight per SM at N = 768..8192, 2 half that.
+# - N = 16384 (RELOAD, 16 warps, 1 program per SM, 2 stages): x, dy, weight and both sums in
+#   registers spill, so only the dweight/dbias sums stay and x/dy/weight are read again after
+#   the row sums. Its 2-stage buffers take 160 KB of shared memory (192 KB with fp32 params):
+#   3 stages do not fit. At 32 warps LayerNorm's two (BLOCK_N,) sums still spill; RMSNorm (one
+#   sum) fits, hence its 32-warp launch. layer_norm_gluon.py keeps the row in shared memory
+#   instead (off by default until measured: GLUON).
 #
-# The pipelined backward (num_stages, the N = 16384 RELOAD config, the pipelined looped kernel),
-# written without a GPU, measured at ae7a2f1 as the module docstring says. Why these defaults:
-# - ROWS / warps / programs per SM stay the measured best above (the pipeline adds loads in
-#   flight; it does not change what each step costs in registers: 96-116 per thread, no spills,
-#   triton 3.6 and 3.8 compiling for sm_90, bf16 with bf16 params).
-# - 3 stages: two steps' x/dy in flight per program besides the one being reduced. An H200
-#   needs about 25 KB of loads in flight per SM to cover HBM latency at full bandwidth (4.8 TB/s
-#   x ~0.7 us / 132 SMs); at 3 stages every N from 768 to 8192 keeps 48-64 KB in flight per SM
-#   (N=768: 4 programs x 2 rows x 2 steps x 3 KB of bf16 x and dy) in 64 KB of shared memory
-#   per SM; 2 stages give half of that, barely above the need.
-# - N = 16384 (RELOAD, 16 warps, 1 program per SM, 2 stages): 32 columns a thread, at most 128
-#   registers. x, dy, weight and both sums held in registers spill (244 bytes a thread with
-#   triton 3.6; 160 at 32 warps), so only the dweight/dbias sums stay and x/dy/weight are read
-#   again after the row sums: 0-4 bytes of spill at 16 warps for bf16 or fp32 params, LN or RMS
-#   (24-64 at 32 warps, the sweep's alternative). Its 2-stage buffers (x, dy, weight, second
-#   x/dy) take 160 KB of shared memory (192 KB with fp32 params): 3 stages do not fit.
-#   At 32 warps LayerNorm's two (BLOCK_N,) sums take 32 of a thread's 64 registers: walking
-#   the row in halves or quarters, each with sums of its own, still spilled 36-40 bytes at 32
-#   warps (ptxas for sm_90 with Triton 3.6; not timed on a GPU); without the dbias sums, 61
-#   registers and no spill. RMSNorm (one sum) fits, hence its 32-warp launch in _bwd_config.
-#   layer_norm_gluon.py keeps the row in shared memory instead (its own cp.async ring, the
-#   weight there too) and only the sums in registers; off by default until measured (GLUON).
-# AMPKERNELS_TRITON_NORM_BWD_STAGES=1 gives back the launch before this change (that table, no
-# pipelining, looped kernel at N = 16384) for A/B runs; =2 or =3 forces the stage count. (The
-# kernel body under =1 keeps this change's (BLOCK_N,) sums and unmasked power-of-two rows: same
-# registers or fewer; for ROWS > 1 the dweight/dbias sums add a step's rows first, so they are
-# not bitwise the old kernel's, though as repeatable. The launch is the old one.)
-_STAGES_ENV = "AMPKERNELS_TRITON_NORM_BWD_STAGES"
-
-
-# Forward launch, swept on the H200 at 478ab5c and 14572ee (bench_layer_norm --sweep --sweep-pass
-# fwd, fp16 and bf16, LayerNorm, M*N = 2^27; benchmarks/results/*-norm-fwd-sweep.jsonl):
-# - 16-bit params, N <= 1024: 2 rows per program, 2 warps, 3.94-4.02 TB/s at N = 768 and 3.97
-#   at 1024, against 3.79-3.95 for 4 rows / 4 warps (torch.compile takes one warp a row here).
-#   One warp with PARAMS_FIRST ran within 0.5% of it, but with a residual it needs 168
-#   registers and spills (sm_90 compile check). (Shorter rows keep 4096 elements / 4 warps a
-#   program: not swept.)
-# - 16-bit params from N = 2048: one row per program, 4 warps: 3.91-4.07 TB/s at 2048 to 8192
-#   (at 8192 3.93-3.94 against 3.63-3.75 for 8 warps; at 4096 with PARAMS_FIRST, 3.96-3.97
-#   against 3.87-3.96 for 8 warps). N = 16384: 8 or 16 warps, 3.27-3.81 against 3.53-3.83 at
-#   14572ee and the reverse order at 478ab5c: kept at 8.
+# Forward launch (_FWD, _FWD_WIDE_PARAMS), from sweeps on the H200 (fp16 and bf16 LayerNorm):
+# - 16-bit params: 2 rows / 2 warps a program up to N = 1024, then one row / 4 warps (8 at
+#   16384); shorter rows keep 4096 elements / 4 warps a program (not swept).
 # - fp32 params with 16-bit x (the AMP case): each row step reads the params again from L2, 8
-#   bytes per element against x's 2 of HBM, so several rows a step share one read: at N = 2048
-#   4 rows / 8 warps (3.53 against 2.82 for the 16-bit launch), at 4096 2 rows / 8 warps (3.55
-#   against 2.71), at 16384 2 rows / 32 warps (2.28-2.30 against 1.85). At 8192 the 16-bit
-#   launch is best (2.50; two rows 2.0-2.2), with PARAMS_FIRST 2.61 at 14572ee. One row with 32
-#   warps (not in the sweep for these params, picked by mistake at c8c1d90) ran 1.33 at 8192 and
-#   1.79 at 16384 in the benchmark at 9692629. All still behind the CUDA kernel at N >= 8192
-#   (3.2 / 2.7), which "auto" runs for this case.
-# - L2 eviction hints (x evict-first, params evict-last) were timed with every config: 0-3%
-#   slower, 33% at one; not kept.
+#   bytes per element against x's 2 of HBM, so several rows a step share one read. All still
+#   behind the CUDA kernel at N >= 8192, which "auto" runs for this case.
 # - PARAMS_FIRST (the params loaded with x, as torch.compile's LayerNorm kernels do, rather than
-#   after the two reductions): on where it measured faster, above; 20-35% slower with 8-16 warps
-#   at N >= 4096.
-# Tried and dropped at f4ecd56: a persistent launch reading the params once per program (64 /
-# num_warps programs per SM, rows walked in a loop) ran 2.0-3.1 TB/s for LayerNorm with either
-# params dtype (benchmarks/results/h200-2026-11-30-f4ecd56-triton-norm-fwd-persist-ab.log),
-# probably because more programs were launched than fit by registers, leaving a low-occupancy
-# last wave.
+#   after the two reductions): on where it measured faster; 20-35% slower with 8-16 warps at
+#   N >= 4096.
+# L2 eviction hints on x and the params and a persistent launch reading the params once per
+# program were slower (docs/performance.md).
 # BLOCK_N -> (ROWS, num_warps, PARAMS_FIRST)
 _FWD = {1024: (2, 2, False), 2048: (1, 4, False), 4096: (1, 4, True), 8192: (1, 4, False), 16384: (1, 8, False)}
 _FWD_WIDE_PARAMS = {2048: (4, 8, False), 4096: (2, 8, False), 8192: (1, 8, True), 16384: (2, 32, False)}
 
 
 # The chunked two-pass kernel takes rows past the register kernel, and, with 16-bit params,
-# RMSNorm's of 8192 and 16384 elements and LayerNorm's of 16384: (chunk columns, warps, unroll)
-# below, chosen with scripts/norm_fwd_probe.py (H200; benchmarks/results/h200-2026-12-01-*) when
-# N was a run-time argument, and timed again with N a constant at 8adf50d
-# (-8adf50d-norm-fwd-long-ab.log, -8adf50d-norms.jsonl), bf16 / fp16:
-# - N = 32768 / 65536, 4096/16/8: LayerNorm 3.42-3.47 / 2.61-2.63 TB/s (2.55 / 1.98 for the
-#   three-pass looped kernel it replaced); RMSNorm 3.90-3.94 / 3.22-3.31 (3.48 / 2.59; 3.57 /
-#   2.78 with N at run time).
-# - RMSNorm at 16384, 4096/16/8: 4.05-4.07 (3.98-4.01 for the register kernel); at 8192,
-#   4096/16/4: 4.16-4.18 (register kernel 3.94-3.99; 4096/16/8 there ran 3.80-3.82).
-# - LayerNorm at 16384, 4096/16 left to the compiler to unroll: 3.99-4.01 (register kernel
-#   3.74-3.81). At 8192 no faster than the register kernel (3.93-3.96 both), which keeps it.
-# Without unrolling (one chunk's loads in flight a thread), or pipelined through shared memory
-# (tl.range num_stages = 3), the run-time-N kernel ran 10-30% slower.
+# RMSNorm's of 8192 and 16384 elements and LayerNorm's of 16384, where it is faster than the
+# register kernel: (chunk columns, warps, unroll), chosen from timings on the H200 (LayerNorm
+# at 16384 leaves the unroll to the compiler). Without unrolling
+# (one chunk's loads in flight a thread) or pipelined through shared memory it ran 10-30% slower.
 _CHUNKED_LONG = (4096, 16, 8)
 _CHUNKED_RMS = {8192: (4096, 16, 4), 16384: (4096, 16, 8)}
 _CHUNKED_LN = {16384: (4096, 16, 1)}
@@ -514,46 +452,26 @@ def _fwd_config(n, wide_params=False):
 
 
 @functools.lru_cache(None)
-def _bwd_stages_override():
-    """AMPKERNELS_TRITON_NORM_BWD_STAGES as an int (None when unset), read once."""
-    v = os.environ.get(_STAGES_ENV, "").strip()
-    if not v:
-        return None
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"{_STAGES_ENV}={v!r}: expected a stage count >= 1 (1: the unpipelined backward)")
-    return int(v)
-
-
-@functools.lru_cache(None)
 def _bwd_config(n, is_rms=False, wide_params=False):
     """(BLOCK_N, ROWS, num_warps, programs per SM, looped, num_stages) for rows of n elements
     (wide_params: fp32 weight with 16-bit x). The register kernel takes RELOAD when BLOCK_N >
     _MAX_BWD_BLOCK (see norm_bwd)."""
-    override = _bwd_stages_override()
     block = triton.next_power_of_2(n)
-    if override == 1:  # the launch before the pipelined backward
-        if block > _MAX_BWD_BLOCK:
-            return _looped_bwd_config()
-        rows = min(64, max(1, 2048 // block))
-        warps = 4 if block * rows <= 2048 else 8 if block <= 4096 else 16
-        return block, rows, warps, 16 // warps, False, 1
     if block > _MAX_BWD_RELOAD_BLOCK:
         return _looped_bwd_config()
     if block > _MAX_BWD_BLOCK:
-        if is_rms and not override:
-            # unpipelined, 32 warps with 16-bit params: 3.54-3.56 TB/s against 2.94-3.01 for the
-            # LayerNorm launch; fp32 params 16 warps, 3.14-3.21 against 2.67-2.68 (H200 sweep at N =
-            # 16384, h200-2026-12-01-820e9f8-norm-bwd-sweep.log). LayerNorm's launch was the
-            # sweep's best or within 6% of it in every case
+        if is_rms:
+            # RMSNorm (one sum) fits unpipelined at 32 warps with 16-bit params, 16 with fp32
+            # params: both faster than LayerNorm's pipelined 16-warp launch (docs/performance.md)
             return block, 1, 16 if wide_params else 32, 1, False, 1
-        return block, 1, 16, 1, False, min(override or 2, 2)
+        return block, 1, 16, 1, False, 2
     rows = min(64, max(1, 2048 // block))
     warps = 4 if block * rows <= 2048 else 8 if block <= 4096 else 16
-    return block, rows, warps, 16 // warps, False, override or 3
+    return block, rows, warps, 16 // warps, False, 3
 
 
 def _looped_bwd_config():
-    return _LOOP_BLOCK, 1, 16, 1, True, _bwd_stages_override() or 3
+    return _LOOP_BLOCK, 1, 16, 1, True, 3
 
 
 def _bwd_fit(cfg, smem, x, dy, weight, dresidual_out):
@@ -676,8 +594,7 @@ def norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wan
 _BWD_CONFIGS = {}  # norm_bwd's launch key -> the config it launches (see norm_bwd)
 # (shapes, dtypes, flags, config, pointer alignment: _bwd_launch's kept_key) -> the Kept backward and
 # column-sum launches (ampkernels.triton.launch): a call that keys the same runs them without
-# launch()'s per-argument key and its lookup (22 us of a call's 89 us host time in the H200
-# probe's profile, benchmarks/results/h200-2026-12-01-820e9f8-norm-bwd-probe.log)
+# launch()'s per-argument key and its lookup (about a quarter of a call's host time)
 _BWD_KEPT = {}
 _MAX_KEPT = 1024
 

@@ -121,17 +121,11 @@ def _tma_configs(tune=_AUTOTUNE):
     # autotuner. FLATTEN: one loop over (tile, k) for the software pipeliner, so the next tile's
     # first loads are in flight during this tile's epilogue; SUBTILE: the epilogue in two
     # BLOCK_N / 2 halves, half the staging smem (room for a 4th stage). Both after Triton's
-    # persistent-matmul tutorial. At 429d844 (scripts/linear_act_probe.py) the autotuner picked
-    # 128x256 tiles, plain or flattened + subtiled: ReLU's epilogue is cheap enough to hide.
-    # PER_SM = 2: two programs per SM (<= 112 KB of smem each with 3 stages and a subtiled
-    # epilogue; 4 warps, or 8 at <= 128 registers), so one's epilogue runs beside the other's
-    # main loop: wgmma leaves the FP32 and SFU pipes free. At 8ec527d (probe, bf16) the 4-warp
-    # one was picked for ReLU at 4096x768x3072 and for SiLU and tanh GELU at both probed shapes
-    # (8192x1024x4096: SiLU 124 us against 131 for the best one-per-SM config); 2 stages ran
-    # 10-20% slower than 3 (dropped). At 7cf8101 the flattened 4-warp one was fastest for all
-    # four activations at 8192x1024x4096 (ReLU 108, SiLU 120, tanh GELU 121, erf GELU 139 us;
-    # 8 warps 117-140): benchmarks/results/h200-2026-11-30-7cf8101-linear-act-probe.log.
-    # First (the only one when autotuning is off): that fastest config, 115 KB of smem at most.
+    # persistent-matmul tutorial. PER_SM = 2: two programs per SM (<= 112 KB of smem each with
+    # 3 stages and a subtiled epilogue; 4 warps, or 8 at <= 128 registers), so one's epilogue
+    # runs beside the other's main loop: wgmma leaves the FP32 and SFU pipes free. 2 stages were
+    # 10-20% slower than 3. First (the only one when autotuning is off): the flattened 4-warp
+    # two-per-SM config, the fastest for all four activations at 8192x1024x4096 on the H200.
     cfg = [(128, 128, 64, 3, 4, True, True, 2), (128, 128, 64, 3, 8, False, False, 1),
            (128, 256, 64, 3, 8, False, False, 1), (256, 128, 64, 3, 8, False, False, 1),
            (128, 256, 64, 3, 8, True, True, 1), (128, 256, 64, 4, 8, True, True, 1),
@@ -233,8 +227,7 @@ _PINGPONG_STATE = {"broken": None}  # set to the error if a ping-pong launch eve
 
 
 def pingpong_enabled(device):
-    # on by default (its GPU tests passed on the H200 at 4302924); AMPKERNELS_TRITON_PINGPONG=0
-    # turns it off
+    # AMPKERNELS_TRITON_PINGPONG=0 turns it off (troubleshooting: Gluon is Triton's experimental API)
     if (not _pingpong.available() or os.environ.get("AMPKERNELS_TRITON_PINGPONG", "1") == "0"
             or _PINGPONG_STATE["broken"] is not None or not tma_enabled(device)):
         return False
@@ -243,9 +236,8 @@ def pingpong_enabled(device):
 
 # Which of the two Hopper kernels runs a forward, per (device, dtype, M bucket, N, K, ACT,
 # STORE_PRE, HAS_BIAS): timed once, like the TMA kernel's own autotuning (after it). Neither wins
-# everywhere on the H200: the ping-pong kernel ran erf GELU at 0.80 of cuBLAS's plain matmul at
-# 8192x1024x4096 against 0.70 for the tuned TMA kernel, but 0.83 against 0.91 at 8192x4096x4096
-# (benchmarks/results/h200-2026-12-01-35965d5-linear-act.jsonl against -7cf8101-).
+# everywhere on the H200 (docs/performance.md): the ping-pong kernel wins erf GELU at
+# 8192x1024x4096 and loses it at 8192x4096x4096.
 _KERNEL_PICK = {}
 
 
@@ -254,8 +246,7 @@ def _pingpong_is_faster(key, run_pingpong, run_tma):
     if pick is None:
         if not _AUTOTUNE or torch.cuda.is_current_stream_capturing():
             # no timing runs: the ping-pong kernel beat the TMA kernel's first config (what runs
-            # untuned) in 47 of 48 CUDA-graph-replay rows:
-            # benchmarks/results/h200-2026-12-01-aa1cea9-linear-act-pingpong.log
+            # untuned) in 47 of 48 CUDA-graph-replay rows on the H200
             return True
         # a kernel that cannot run raises here: _fwd then turns the ping-pong kernel off, and
         # the TMA kernel too if that was the one (it fails again in its own launch)
@@ -359,7 +350,7 @@ def _linear_act_dz_kernel(dy_ptr, s_ptr, dz_ptr, part_ptr, M, N, ACT: tl.constex
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # dbias partials summed elementwise over the row steps and across rows once at the end: a
-    # cross-warp tl.sum per row step halved the pass's bandwidth (scripts/dz_pass_probe.py)
+    # cross-warp tl.sum per row step halved the pass's bandwidth
     col = tl.zeros((SUB_M, BLOCK_N), tl.float32)
     for r in tl.static_range(0, BLOCK_M, SUB_M):
         offs_m = pid_m * BLOCK_M + r + tl.arange(0, SUB_M)
@@ -393,8 +384,7 @@ def column_sums(t):
     fixed order: the dz pass storing nothing. Not t.sum(0): over T rows torch's reduction stages
     per-block partials in a global buffer, a transient the size of a hidden-sized tensor (H200,
     T=16384: a 128 MiB block alive at FusedMLP's Triton peak beside pre and h, allocated on the
-    line of that sum; tests.memory --snapshot,
-    benchmarks/results/h200-2026-12-01-cf48a7a-memory-snapshot-triton.log)."""
+    line of that sum; python -m tests.memory --snapshot shows it)."""
     t = t.contiguous()
     return _dz_pass(t, None, t, 0, True, False)
 

@@ -17,10 +17,8 @@ registers a thread after setmaxnreg, the producer gives its warpgroup's back).
 The ring's ready/empty barriers are waited on by parity, which cannot tell phase n from n + 2;
 the turns also keep the consumers meeting the phases in the order one consumer would.
 
-Tried and removed (0998f14 has it): two more warpgroups taking the epilogue off the consumers
-(each consumer handed its tile over shared memory and started its next main loop): 1-4% faster
-for erf GELU and SiLU at 4096x768x3072 and 8192x1024x4096, 1-10% slower at the larger shapes
-(benchmarks/results/h200-2026-12-01-0998f14-pingpong-probe.log).
+Two more warpgroups taking the epilogue off the consumers, and a cooperative 256x128 kernel,
+were slower at most shapes (docs/performance.md).
 
 Same contract as _linear_act_fwd_tma_kernel: y = act(x W^T + b) with the pre-activation rounded
 to y's dtype first (stored to pre when STORE_PRE), fp32 accumulation, the activation formulas and
@@ -45,9 +43,8 @@ except ImportError:  # a Triton without Gluon's Hopper API: the TMA kernel only
     gluon = None
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
-# 5 x 32 KB of operand ring + 2 x 32 KB of output staging: 224 KB of the 227 KB. A fifth stage
-# was 1-4% faster than four at 13 of 15 (shape, activation) cells of the bf16 pingpong probe
-# (benchmarks/results/h200-2026-12-01-9836fa4-pingpong-probe.log)
+# 5 x 32 KB of operand ring + 2 x 32 KB of output staging: 224 KB of the 227 KB (a fifth stage
+# was 1-4% faster than four at most shapes)
 STAGES = 5
 GROUP_M = 8
 # registers a thread: 168 at launch (12 warps x 32 x 168 <= 64 K); after setmaxnreg the producer's
@@ -202,8 +199,8 @@ def linear_act_fwd_pingpong(x, weight, bias, act_id, y, pre, programs, block_k=B
     """y = act(x W^T + b) into y (and x W^T + b into pre when pre is not None); x (M, K), weight
     (N, K), y/pre (M, N), 16-bit, one dtype, TMA-ready (linear_act._tma_ok); M, N, K > 0.
     programs: SMs to use (one program each). block_k / stages / group: the K step, the operand
-    ring's depth and the tile walk's band height; the library runs the defaults, and
-    scripts/pingpong_probe.py times other choices."""
+    ring's depth and the tile walk's band height; the library runs the defaults (parameters for
+    tuning runs)."""
     M, K = x.shape
     N = weight.shape[0]
 
