@@ -19,7 +19,7 @@ Candidates, pruned as pointless on an H200 (sm_90 ptxas, Triton 3.8):
           registers (estimated 32 + 4 per element) and shared memory, and they keep >= 16 KB
           of x/dy loads in flight per SM.
   gluon:  the Gluon backward (ampkernels/triton/layer_norm_gluon.py; off by default in the
-          library, tln.GLUON) where this Triton has Gluon and the call is one it takes.
+          library from tln.GLUON_MIN_N; here at any N) where this Triton has Gluon and the call is one it takes.
   cuda:   the CUDA backend's backward, for reference (not a Triton launch).
 At N = 16384: 58 configs per case, 464 in all; about 3 minutes with compiles; --budget-s caps it.
 --gluon-ab times only the library's choice, the Gluon backward and the CUDA backend's (the A/B that
@@ -65,7 +65,7 @@ def candidates(tln, n, xdy, smem, smoke):
     return kept, len(everything) - len(kept)
 
 
-GLUON = "gluon"  # the candidate that runs the library's RELOAD config with tln.GLUON on
+GLUON = "gluon"  # the candidate that runs the library's RELOAD config with the Gluon kernel
 CUDA = "cuda"    # the CUDA backend's backward (torch.ops.ampkernels.norm_bwd_cuda), for reference
 
 
@@ -112,13 +112,13 @@ def run_case(tln, op, dtype, pdtype, n, m, dev, cands, case_end, smoke):
                 return
             if not tln._gluon.available():
                 raise RuntimeError("this Triton has no Gluon")
-            tln.GLUON = True
+            saved, tln.GLUON_MIN_N = tln.GLUON_MIN_N, dict.fromkeys(tln.GLUON_MIN_N, 0)
             try:
                 if not tln._gluon_bwd_takes(x, dy, None, x.new_empty(0)):
                     raise RuntimeError("the Gluon backward does not take this call")
                 tln._bwd_launch(default, dy, x, w, mean, rstd, None, is_rms, True, not is_rms, *outs)
             finally:
-                tln.GLUON = False
+                tln.GLUON_MIN_N = saved
         try:
             got = launch()
             if cfg == CUDA:

@@ -22,7 +22,7 @@ ampkernels/triton/layer_norm.py):
 - norms, Triton: the register forward up to BLOCK_N 16384 and the chunked forward (16385; with
   16-bit params RMSNorm from 8193, LayerNorm at 16384); the backward's register kernel up to
   8192, RELOAD to 16384, the looped kernel past it; on sm_80+ the rows from 4096 once more with
-  the Gluon kernels on (ampkernels.triton.layer_norm.GLUON; SANITIZER_GLUON=0 skips that).
+  the Gluon kernels at every row length they take (SANITIZER_GLUON=0 skips that).
 - norm dtype mixes: a pairwise cover of tests/test_dtype_combos.py's grid and issue 31's
   crash (16-bit x, fp32 residual kept in fp32, 16-bit weight/bias) by name.
 - linear_act: the dz pass (act' backward and the dbias partials; tiles of 64 x 128 on a GPU:
@@ -136,9 +136,9 @@ def main(backends):
                 norm_cases(backend, dtype)
                 if _gluon_on(backend):  # the Gluon kernels' rows (forward from 4104, backward from 8193)
                     from ampkernels.triton import layer_norm as tln
-                    tln.GLUON = True
+                    saved, tln.GLUON_MIN_N = tln.GLUON_MIN_N, dict.fromkeys(tln.GLUON_MIN_N, 0)
                     norm_cases(backend, dtype, mixes=False, min_n=4096)
-                    tln.GLUON = False
+                    tln.GLUON_MIN_N = saved
             if "linear_act" in ops:
                 linear_act_cases(backend, dtype)
             if "mlp" in ops:

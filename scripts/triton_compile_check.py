@@ -209,20 +209,16 @@ def launch_everything(max_shared):
             tla.linear_act_fwd(x, w, None, gelu, False, tma=True, pingpong=True)
         if dtype == torch.float16:
             continue  # the branches below do not depend on the dtype
-        # the GEMM with act' in its epilogue, every config: erf GELU, (256 x 512) @ (512 x 384)
-        tla.matmul_act_grad(x, w.t().contiguous(), y, gelu, True, tma=True)
         # every other activation, no bias / no pre (first config)
         for act_id in range(len(ACTIVATIONS)):
             for tma in (True, False):
                 tla.linear_act_fwd(x, w, bias, act_id, True, tma=tma)
             tla.linear_act_dz(y, y, act_id, True)
             tla.act_forward(y, act_id)
-            tla.matmul_act_grad(x, w.t().contiguous(), y, act_id, True, tma=True)
         for tma in (True, False):
             tla.linear_act_fwd(x, w, None, gelu, False, tma=tma)
         tla.linear_act_dz(y, y, gelu, False)
         tla.column_sums(y)  # the dz pass storing nothing (an identity layer's bias gradient)
-        tla.matmul_act_grad(x, w.t().contiguous(), y, gelu, False, tma=True)
         # norms: N picks the regime (several rows per program, one row, chunked with and without
         # a partial chunk); LayerNorm with fp32 params and a residual, RMSNorm with 16-bit params
         # and none; the forward for training (mean/rstd stored) and for inference
@@ -240,11 +236,11 @@ def launch_everything(max_shared):
         for n in (8192, 16384):
             x, w = empty(64, n, dtype=dtype), empty(n, dtype=dtype)
             tln.norm_fwd(x, w, w, None, 1e-5, False, None, False)
-        # the Gluon kernels (off by default, tln.GLUON), a whole row and a partial one: the backward
+        # the Gluon kernels at every row length they take, a whole row and a partial one: the backward
         # for LayerNorm with fp32 params and with none, RMSNorm with 16-bit params; the forward
         # (fp32 params) for LayerNorm, training and inference, and RMSNorm at 8192
         if tln._gluon.available():
-            tln.GLUON = True
+            saved, tln.GLUON_MIN_N = tln.GLUON_MIN_N, dict.fromkeys(tln.GLUON_MIN_N, 0)
             try:
                 for n in (16384, 12296):
                     x, st = empty(64, n, dtype=dtype), empty(64, dtype=torch.float32)
@@ -257,7 +253,7 @@ def launch_everything(max_shared):
                 x, w32 = empty(64, 8192, dtype=dtype), empty(8192, dtype=torch.float32)
                 tln.norm_fwd(x, w32, None, None, 1e-5, True, None, False)
             finally:
-                tln.GLUON = False
+                tln.GLUON_MIN_N = saved
 
 
 def main(argv=None):

@@ -442,7 +442,7 @@ def test_triton_interpret_bwd_real_n(is_rms):
 
 @needs_triton
 def test_gluon_bwd_takes_only_what_it_can(monkeypatch):
-    """The Gluon backward's gate: off unless GLUON; 16-bit x and dy, rows of 8200-16384
+    """The Gluon backward's gate: rows from GLUON_MIN_N; 16-bit x and dy, rows of 8200-16384
     elements, a multiple of 8, starting 16-byte aligned, no residual gradients, the shared memory
     for its ring (an H200 block has it, an A100's not); never on CPU tensors (no interpreter)."""
     from ampkernels.triton import layer_norm as tln
@@ -463,9 +463,11 @@ def test_gluon_bwd_takes_only_what_it_can(monkeypatch):
     assert not gluon.bwd_eligible(misaligned, misaligned, None, none)
 
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)  # an H100/H200 block
-    assert not tln._gluon_bwd_takes(x, x, None, none)  # off by default
-    monkeypatch.setattr(tln, "GLUON", True)
-    assert tln._gluon_bwd_takes(x, x, None, none)
+    assert tln._gluon_bwd_takes(x, x, None, none)  # by default at 16384, where it measured faster
+    x12 = meta(4, 12296)
+    assert not tln._gluon_bwd_takes(x12, x12, None, none)  # not measured there: the Triton kernel
+    monkeypatch.setattr(tln, "GLUON_MIN_N", dict.fromkeys(tln.GLUON_MIN_N, 0))
+    assert tln._gluon_bwd_takes(x12, x12, None, none)
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 166912)  # an A100 block
     assert not tln._gluon_bwd_takes(x, x, None, none)
     cpu = torch.empty(4, 16384, dtype=torch.bfloat16)
@@ -484,8 +486,14 @@ def test_gluon_fwd_takes_only_what_it_can(monkeypatch):
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 232448)
     w32 = lambda n: meta(n, dtype=torch.float32)
     x = meta(4, 16384)
-    assert tln._gluon_fwd_programs_per_sm(x, w32(16384), w32(16384), None) == 0  # off by default
-    monkeypatch.setattr(tln, "GLUON", True)
+    # by default where it measured faster: LayerNorm from 8192, RMSNorm at 16384
+    assert tln._gluon_fwd_programs_per_sm(x, w32(16384), w32(16384), None, False) == 1
+    assert tln._gluon_fwd_programs_per_sm(x, w32(16384), None, None, True) == 1
+    x8k = meta(4, 8192)
+    assert tln._gluon_fwd_programs_per_sm(x8k, w32(8192), w32(8192), None, False) == 2
+    assert tln._gluon_fwd_programs_per_sm(x8k, w32(8192), None, None, True) == 0
+    assert tln._gluon_fwd_programs_per_sm(meta(4, 5000), w32(5000), w32(5000), None, False) == 0
+    monkeypatch.setattr(tln, "GLUON_MIN_N", dict.fromkeys(tln.GLUON_MIN_N, 0))
     for want, xx, w, b, r in ((1, x, w32(16384), w32(16384), None), (1, x, w32(16384), None, None),
                               (2, meta(4, 8192, dtype=torch.float16), w32(8192), w32(8192), None),
                               (2, meta(4, 4104), w32(4104), None, None),
@@ -493,11 +501,12 @@ def test_gluon_fwd_takes_only_what_it_can(monkeypatch):
                               (0, meta(4, 12290), w32(12290), None, None), (0, x, meta(16384), None, None),
                               (0, x, None, None, None), (0, meta(4, 16384, dtype=torch.float32), w32(16384), None, None),
                               (0, x, w32(16384), None, x)):
-        assert tln._gluon_fwd_programs_per_sm(xx, w, b, r) == want, (xx.shape, xx.dtype, w is not None, r is not None)
+        assert tln._gluon_fwd_programs_per_sm(xx, w, b, r, False) == want, (xx.shape, xx.dtype, w is not None,
+                                                                           r is not None)
     misaligned = torch.empty(4 * 8192 + 1, dtype=torch.bfloat16)[1:].view(4, 8192)
     assert not tln._gluon.fwd_eligible(misaligned, None)
     monkeypatch.setattr(tln, "_smem_per_program", lambda device: 166912)  # an A100 block: 16384 does not fit
-    assert tln._gluon_fwd_programs_per_sm(x, w32(16384), w32(16384), None) == 0
+    assert tln._gluon_fwd_programs_per_sm(x, w32(16384), w32(16384), None, False) == 0
 
 
 def test_triton_bwd_config_stages_and_fit():
@@ -1042,13 +1051,13 @@ def _spy_launches(monkeypatch, tln):
 @pytest.mark.parametrize("n", [16384, 12296, 8200])
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_gpu_gluon_bwd(n, is_rms, monkeypatch):
-    """The Gluon backward (off by default: GLUON) against float64: both 16-bit dtypes, 16-bit
+    """The Gluon backward (at every N it takes) against float64: both 16-bit dtypes, 16-bit
     and fp32 params and none, one row, rows not a multiple of the programs, an all-zero row, a
     large mean, a 3-D input; its dweight/dbias bitwise repeatable."""
     from ampkernels.triton import layer_norm as tln
     if not tln._gluon.available():
         pytest.skip("this Triton has no Gluon")
-    monkeypatch.setattr(tln, "GLUON", True)
+    monkeypatch.setattr(tln, "GLUON_MIN_N", dict.fromkeys(tln.GLUON_MIN_N, 0))
     ran = _spy_launches(monkeypatch, tln)
     for dtype, pdtype, m in ((torch.bfloat16, torch.float32, 300), (torch.float16, torch.float16, 133),
                              (torch.bfloat16, torch.bfloat16, 1)):
@@ -1076,13 +1085,13 @@ def test_gpu_gluon_bwd(n, is_rms, monkeypatch):
 @pytest.mark.parametrize("n", [16384, 12296, 8192, 5000])
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_gpu_gluon_fwd(n, is_rms, monkeypatch):
-    """The Gluon forward (off by default: GLUON; 16-bit x with fp32 params) against float64, for
+    """The Gluon forward (at every N it takes; 16-bit x with fp32 params) against float64, for
     training and inference: both 16-bit dtypes, one row, rows not a multiple of the programs, an
     all-zero row, a large mean, a 3-D input."""
     from ampkernels.triton import layer_norm as tln
     if not tln._gluon.available():
         pytest.skip("this Triton has no Gluon")
-    monkeypatch.setattr(tln, "GLUON", True)
+    monkeypatch.setattr(tln, "GLUON_MIN_N", dict.fromkeys(tln.GLUON_MIN_N, 0))
     ran = _spy_launches(monkeypatch, tln)
     for dtype, m in ((torch.bfloat16, 300), (torch.float16, 133), (torch.bfloat16, 1)):
         x, w, b = _inputs(m, n, dtype, "cuda", torch.float32)
@@ -1102,7 +1111,7 @@ def test_gpu_gluon_bwd_64bit_indexing(monkeypatch):
     from ampkernels.triton import layer_norm as tln
     if not tln._gluon.available():
         pytest.skip("this Triton has no Gluon")
-    monkeypatch.setattr(tln, "GLUON", True)
+    monkeypatch.setattr(tln, "GLUON_MIN_N", dict.fromkeys(tln.GLUON_MIN_N, 0))
     ran = _spy_launches(monkeypatch, tln)
     n = 16384
     m = 2**31 // n + 3

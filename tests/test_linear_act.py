@@ -262,54 +262,6 @@ def test_triton_act_forward_is_the_forward_epilogue():
     _check_act_forward(torch.float16, "cpu")
 
 
-def _check_matmul_act_grad(m, k, n, activation, dtype, device):
-    # one GEMM with act' and the bias-gradient partials in its epilogue, against float64
-    from ampkernels.triton import linear_act as tk
-    g, w = randn(m, k, dtype=dtype, device=device), randn(k, n, dtype=dtype, device=device, scale=k ** -0.5)
-    pre = randn(m, n, dtype=dtype, device=device, scale=2)
-    got = tk.matmul_act_grad(g, w, pre, reference.activation_id(activation), True)
-    assert got is not None, "TMA-ready operands"
-    dz, db = got
-    # the two-step path's rounding: g @ w lands in the compute dtype before act' multiplies it
-    want = (g.double() @ w.double()).to(dtype).double() * reference.act_grad(pre.double(), activation)
-    assert dz.dtype == dtype and dz.shape == (m, n)
-    assert_rel_close(dz, want, dtype, what=f"dz {m}x{k}x{n} {activation}")
-    assert db.dtype == torch.float32
-    assert_rel_close(db, dz.double().sum(0), torch.float32, what="db: column sums of dz as stored")
-    dz2, none = tk.matmul_act_grad(g, w, pre, reference.activation_id(activation), False)
-    assert none is None and torch.equal(dz2, dz)
-
-
-@needs_triton
-@pytest.mark.parametrize("activation", ACTS[1:])
-def test_triton_matmul_act_grad_kernel(activation):
-    if HAS_CUDA:
-        pytest.skip("GPU tier covers triton on CUDA tensors")
-    _check_matmul_act_grad(70, 40, 56, activation, torch.float16, "cpu")  # ragged tiles in M, N and K
-
-
-@needs_triton
-def test_triton_matmul_act_grad_declines_what_tma_cannot_describe():
-    if HAS_CUDA:
-        pytest.skip("CPU tier: the interpreter stands in for a TMA-capable GPU")
-    from ampkernels.triton import linear_act as tk
-    g, w = randn(8, 13, dtype=torch.float16), randn(13, 16, dtype=torch.float16)  # 26-byte rows
-    assert tk.matmul_act_grad(g, w, randn(8, 16, dtype=torch.float16), 2, True) is None
-    g, w, s = randn(8, 16, dtype=torch.float16), randn(16, 16, dtype=torch.float16), randn(8, 16, dtype=torch.float16)
-    assert tk.matmul_act_grad(g, w.t(), s, 2, True) is None  # a transposed view
-    assert tk.matmul_act_grad(g, w.bfloat16(), s, 2, True) is None  # mixed dtypes
-    assert tk.matmul_act_grad(g, w, s, 2, True) is not None
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_triton_matmul_act_grad_kernel(dtype):
-    from ampkernels.triton import linear_act as tk
-    if not tk.tma_enabled(torch.device("cuda")):
-        pytest.skip("TMA needs compute capability 9.0+")
-    for activation in ACTS[1:]:
-        for m, k, n in ((1000, 776, 1000), (2, 8, 8)):
-            _check_matmul_act_grad(m, k, n, activation, dtype, "cuda")
 
 
 try:  # the Triton forward epilogue's activation alone, as a kernel over a 1-D fp32 tensor

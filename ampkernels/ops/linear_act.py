@@ -283,7 +283,7 @@ def _preference(device, dtype, activation, bucket, training):
     return pref
 
 
-@torch.compiler.assume_constant_result
+@backends.assume_constant_result
 def _choose(backend, device, dtype, activation, bucket, training, unsupported):
     # A host-side decision (environment, availability probes, the table): under torch.compile
     # it runs once at trace time and the name is baked into the graph, never traced.

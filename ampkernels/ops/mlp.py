@@ -165,7 +165,7 @@ def auto_preference(device, dtype, activation, bucket, training):
     return tuple(b for b in pref if b != "torch") or ("cuda", "triton")
 
 
-@torch.compiler.assume_constant_result
+@backends.assume_constant_result
 def _choose(backend, device, dtype, activation, bucket, training, unsupported):
     # a host-side decision, a constant of the graph under torch.compile (as linear_act's _choose)
     return backends.select("fused_mlp", backend, device, auto_preference(device, dtype, activation, bucket, training),

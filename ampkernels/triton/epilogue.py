@@ -79,8 +79,7 @@ def _act_fwd(z, ACT: tl.constexpr):
 
 @triton.jit
 def _act_grad(z, ACT: tl.constexpr):
-    # d act / dz in fp32 from the forward's ex2/rcp forms (it runs in the epilogue of
-    # _matmul_act_grad_tma_kernel, where its instructions are GEMM time): within 2e-5 relative
+    # d act / dz in fp32 from the forward's ex2/rcp forms: within 2e-5 relative
     # + 1e-6 absolute of float64 (tests/test_linear_act.py, the formulas under the interpreter,
     # the SFU's on the GPU). NaN gives NaN (ReLU's mask gives 0, as the reference's), and so do
     # +-inf for the GELUs and SiLU (inf * 0), as torch's formulas give.

@@ -400,7 +400,7 @@ def _smem_per_program(device):
 #   the row sums. Its 2-stage buffers take 160 KB of shared memory (192 KB with fp32 params):
 #   3 stages do not fit. At 32 warps LayerNorm's two (BLOCK_N,) sums still spill; RMSNorm (one
 #   sum) fits, hence its 32-warp launch. layer_norm_gluon.py keeps the row in shared memory
-#   instead (off by default until measured: GLUON).
+#   instead, and runs there (GLUON_MIN_N).
 #
 # Forward launch (_FWD, _FWD_WIDE_PARAMS), from sweeps on the H200 (fp16 and bf16 LayerNorm):
 # - 16-bit params: 2 rows / 2 warps a program up to N = 1024, then one row / 4 warps (8 at
@@ -532,7 +532,7 @@ def norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32
     wide_params = _wide_params(x, weight)
     block, rows, warps, params_first = _fwd_config(N, wide_params)
     chunked = _fwd_chunked(block, is_rms, wide_params)
-    gluon_per_sm = _gluon_fwd_programs_per_sm(x, weight, bias, residual)
+    gluon_per_sm = _gluon_fwd_programs_per_sm(x, weight, bias, residual, is_rms)
     with on_device(x):
         if gluon_per_sm:
             rows_per_prog = cdiv(M, min(M, _sms(x.device) * gluon_per_sm))
@@ -599,15 +599,18 @@ _BWD_KEPT = {}
 _MAX_KEPT = 1024
 
 
-# The Gluon kernels (layer_norm_gluon.py): the backward for the rows RELOAD takes, the forward
-# for 16-bit x with fp32 params on rows of 4104-16384. Off by default until measured against the
-# Triton kernels on the H200; AMPKERNELS_TRITON_NORM_GLUON=1 turns them on.
-GLUON = os.environ.get("AMPKERNELS_TRITON_NORM_GLUON", "0") == "1"
+# The Gluon kernels (layer_norm_gluon.py) take the backward of the rows RELOAD takes and the
+# forward of 16-bit x with fp32 params on rows of 4104-16384; they run from the row lengths where
+# they measured faster than the Triton kernels above (H200, fp16/bf16, M*N = 2^27; N 8192 and
+# 16384 measured): the backward at 16384 (3.46-3.66 TB/s against 2.26-3.57), the AMP forward of
+# LayerNorm from 8192 (3.05-3.28 against 2.28-2.70) and of RMSNorm at 16384 (3.63-3.64 against
+# 3.43-3.44; at 8192 it was slower, 3.56-3.58 against 3.85-3.88).
+GLUON_MIN_N = {"bwd": 16384, "fwd_layer_norm": 8192, "fwd_rms_norm": 16384}
 
 
 def _gluon_can_run(x):
-    """On, Gluon present, and a GPU with cp.async (sm_80+); never CPU tensors (no interpreter)."""
-    if not GLUON or not _gluon.available() or x.device.type == "cpu":
+    """Gluon present and a GPU with cp.async (sm_80+); never CPU tensors (no interpreter)."""
+    if not _gluon.available() or x.device.type == "cpu":
         return False
     return x.device.type != "cuda" or device_properties(device_index(x.device)).major >= 8
 
@@ -615,16 +618,18 @@ def _gluon_can_run(x):
 def _gluon_bwd_takes(x, dy, dresidual_out, dres):
     """Whether the Gluon backward runs this RELOAD call: _gluon_can_run, the shared memory for
     its ring, and a call it takes (_gluon.bwd_eligible)."""
-    if not _gluon_can_run(x):
+    if x.shape[1] < GLUON_MIN_N["bwd"] or not _gluon_can_run(x):
         return False
     need = _gluon.bwd_smem_bytes(x.element_size(), dy.element_size()) + _SMEM_MARGIN
     return need <= _smem_per_program(x.device) and _gluon.bwd_eligible(x, dy, dresidual_out, dres)
 
 
-def _gluon_fwd_programs_per_sm(x, weight, bias, residual):
+def _gluon_fwd_programs_per_sm(x, weight, bias, residual, is_rms):
     """Programs per SM of the Gluon forward for this call (0: it does not take it): the AMP case
     (16-bit x, fp32 weight), no residual, the shared memory for its ring and params."""
-    if not _wide_params(x, weight) or not _gluon_can_run(x) or not _gluon.fwd_eligible(x, residual):
+    min_n = GLUON_MIN_N["fwd_rms_norm" if is_rms else "fwd_layer_norm"]
+    if x.shape[1] < min_n or not _wide_params(x, weight) or not _gluon_can_run(x) or \
+            not _gluon.fwd_eligible(x, residual):
         return 0
     block = _gluon.fwd_block(x.shape[1])
     need = _gluon.fwd_smem_bytes(block, x.element_size(), 1 + (bias is not None)) + _SMEM_MARGIN

@@ -18,8 +18,7 @@ dy's dtype, plus fp32 column sums of dz per row block (the dbias partials, later
 a fixed order: deterministic). The two GEMMs of the backward (dx = dz W, dW = dz^T x) run
 on cuBLAS: applying act' on the fly inside them would recompute it once per output tile
 column (K / BLOCK_N times), which for erf/tanh/exp activations costs more CUDA-core time than
-one extra elementwise pass costs bandwidth. Where the GEMM producing dy is ours to run
-(FusedMLP's backward), `_matmul_act_grad_tma_kernel` applies act' in that GEMM's epilogue.
+one extra elementwise pass costs bandwidth.
 
 Activation ids follow ampkernels.reference.ACTIVATIONS. All activation math is fp32 (epilogue.py);
 the GELUs and SiLU and their derivatives use the GPU's approximate ex2/rcp (within 2e-5 relative
@@ -426,87 +425,3 @@ def act_forward(pre, act_id):
             launch(_act_fwd_pass_kernel, (cdiv(pre.numel(), BLOCK),), pre, y, pre.numel(), ACT=act_id, BLOCK=BLOCK,
                    num_warps=4)
     return y
-
-
-# ---------------------------------------------------------------- GEMM with act' in its epilogue
-
-# BLOCK_M is the same in every config: the dbias partials then have one row per tile row
-# whichever config the autotuner runs (it runs them all into the same buffer)
-_DGRAD_BLOCK_M = 32 if _INTERPRET else 128
-
-
-def _dgrad_configs(tune=_AUTOTUNE):
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
-                              pre_hook=_set_dgrad_block_shapes)]
-    # one program per SM walking tiles; the epilogue holds the fp32 tile, the saved tile and
-    # act' at once: at most 187 registers a thread for erf GELU, no spills
-    # (scripts/triton_compile_check.py -v; with libdevice's erf and exp, 128 x 256 tiles and
-    # 4 warps spilled 828 bytes)
-    cfg = [(128, 64, 4, 8), (256, 64, 3, 8), (128, 64, 3, 4)]
-    cfg = cfg if tune else cfg[:1]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=st, num_warps=w,
-                          pre_hook=_set_dgrad_block_shapes) for bn, bk, st, w in cfg]
-
-
-def _set_dgrad_block_shapes(nargs):
-    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    nargs["g_desc"].block_shape = [bm, bk]
-    nargs["w_desc"].block_shape = [bk, bn]
-    nargs["s_desc"].block_shape = [bm, bn]
-    nargs["dz_desc"].block_shape = [bm, bn]
-
-
-@triton.autotune(configs=_dgrad_configs(), key=["M", "N", "K", "ACT", "WANT_PARTIAL"])
-@triton.jit
-def _matmul_act_grad_tma_kernel(g_desc, w_desc, s_desc, dz_desc, part_ptr, M, N, K, ACT: tl.constexpr,
-                                WANT_PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # dz = round(g @ w) * act'(s) for w (K, N) row-major, rounded as in the two-step path (the
-    # GEMM writes g @ w in dz's dtype, linear_act_dz reads it back); the column sums of dz as
-    # stored go to part[tile row] in fp32 (summed over tile rows in a fixed order afterwards)
-    pid = tl.program_id(0)
-    num_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    for tile in tl.range(pid, num_m * num_n, tl.num_programs(0)):
-        off_m, off_n = _tile_origin(tile, num_m, num_n, GROUP_M, BLOCK_M, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range((K + BLOCK_K - 1) // BLOCK_K):
-            acc = tl.dot(g_desc.load([off_m, k * BLOCK_K]), w_desc.load([k * BLOCK_K, off_n]), acc)
-        s = s_desc.load([off_m, off_n])
-        dz = (acc.to(s.dtype).to(tl.float32) * _act_grad(s.to(tl.float32), ACT)).to(s.dtype)
-        dz_desc.store([off_m, off_n], dz)
-        if WANT_PARTIAL:  # out-of-bounds rows and columns loaded as zeros: their dz is 0
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            tl.store(part_ptr + (off_m // BLOCK_M) * N + offs_n, tl.sum(dz.to(tl.float32), axis=0),
-                     mask=offs_n < N)
-
-
-def matmul_act_grad(g, weight, saved, act_id, want_dbias, tma=None):
-    """(dz, dbias_fp32 or None) for dz = (g @ weight) * act'(saved): one GEMM with act' in its
-    epilogue instead of a GEMM and then linear_act_dz's pass over its output. g (M, K), weight
-    (K, N), saved (M, N): contiguous, one 16-bit dtype. Returns None where it cannot run (no
-    TMA, or operands a TMA descriptor cannot describe): the caller takes the two-step path.
-    tma=True skips the device check (the interpreter, scripts/triton_compile_check.py)."""
-    M, K = g.shape
-    N = weight.shape[1]
-    usable = (_INTERPRET or tma_enabled(g.device)) if tma is None else tma
-    if TensorDescriptor is None or not usable or min(M, N, K) == 0:
-        return None
-    if any(t.dtype != g.dtype or not t.is_contiguous() for t in (g, weight, saved)):
-        return None
-    dz = torch.empty_like(saved)
-    if not _tma_ok(g, weight, saved, dz):
-        return None
-    part = torch.empty((cdiv(M, _DGRAD_BLOCK_M), N), dtype=torch.float32, device=g.device) if want_dbias else dz
-    programs = _programs(g)
-
-    def grid(meta):
-        return (min(programs, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
-
-    with on_device(g):
-        # block shapes are placeholders: the autotuner's pre_hook sets them per config
-        descs = [TensorDescriptor.from_tensor(t, [16, 16]) for t in (g, weight, saved, dz)]
-        _matmul_act_grad_tma_kernel[grid](*descs, part, M, N, K, ACT=act_id, WANT_PARTIAL=want_dbias,
-                                          BLOCK_M=_DGRAD_BLOCK_M)
-    return dz, (part.sum(0) if want_dbias else None)
