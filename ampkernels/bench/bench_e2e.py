@@ -39,9 +39,9 @@ MODELS = ("gpt2", "llama", "bert", "vit")
 TITLES = {"gpt2": "GPT-2 small", "llama": "LLaMA-style", "bert": "BERT-base MLM", "vit": "ViT-B/16"}
 # mode -> autocast dtype (None: no autocast) and whether convert() runs; fp32_convert is not in
 # the default GPU list (the CPU demo's exactness check)
-MODES = {"fp32": (None, False), "amp_fp16": (torch.float16, False), "amp_bf16": (torch.bfloat16, False),
-         "amp_fp16_convert": (torch.float16, True), "amp_bf16_convert": (torch.bfloat16, True),
-         "fp32_convert": (None, True)}
+MODES = {"fp32": (None, False), "fp32_convert": (None, True), "amp_fp16": (torch.float16, False),
+         "amp_fp16_convert": (torch.float16, True), "amp_bf16": (torch.bfloat16, False),
+         "amp_bf16_convert": (torch.bfloat16, True)}
 CPU_MODES = ("fp32", "fp32_convert", "amp_bf16", "amp_bf16_convert")
 # every row has these fields (peak_mem_GiB is None on CPU, converted / convert_call on unconverted modes)
 ROW_FIELDS = ("op", "model", "mode", "compiled", "provider", "pass", "dtype", "shape", "device", "metric", "value",
