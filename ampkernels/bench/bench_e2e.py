@@ -287,7 +287,7 @@ def train(recorder, work, mode, compiled, steps, device):
         device=device, metric="ms" if cuda else "ms (CPU, not a GPU number)", value=round(ms, 2), ms=ms,
         **{f"{work.unit}_per_s": round(work.items / ms * 1e3)},
         peak_mem_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        final_loss=round(loss.item(), 4), first_step_s=round(first_s, 2), steps=steps, timed_steps=len(times),
+        final_loss=round(loss.item(), 4), first_step_s=round(first_s, 3), steps=steps, timed_steps=len(times),
         converted=replaced, convert_call=_convert_call(work.convert_kwargs) if converts else None,
         params_M=round(sum(p.numel() for p in model.parameters()) / 1e6, 1), library=work.library)
 
