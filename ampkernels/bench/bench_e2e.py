@@ -315,14 +315,14 @@ def options(args):
 def run(recorder, dtypes, quick, models=None, modes=None, compile_modes=(False, True), steps=None, device=None):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     size = "tiny" if device == "cpu" else "quick" if quick else "full"
+    steps = steps or STEPS[size]
     if device == "cpu":
-        print("NO GPU: the e2e benchmark runs TINY models on the CPU (3 steps, eager only). It checks the\n"
+        print(f"NO GPU: the e2e benchmark runs TINY models on the CPU ({steps} steps, eager only). It checks the\n"
               "machinery end to end; its times and memory say nothing about GPU speed.\n", flush=True)
         modes, compile_modes = modes or CPU_MODES, (False,)
     if not modes:
         tags = {torch.float16: "fp16", torch.bfloat16: "bf16"}
         modes = ["fp32"] + [m for dt in dtypes for m in (f"amp_{tags[dt]}", f"amp_{tags[dt]}_convert")]
-    steps = steps or STEPS[size]
     try:
         import transformers
         transformers.logging.set_verbosity_error()  # config warnings, not ours to fix, once per model and mode
@@ -389,11 +389,11 @@ def report(rows):
     compiled: speed ratio (unconverted ms / converted ms), peak memory and loss delta."""
     lines = []
     for (model, shape), cells in index(rows).items():
-        some = next(iter(cells.values()))
         call = next((r["convert_call"] for r in cells.values() if r.get("convert_call")), None)
         replaced = next((r["converted"] for r in cells.values() if r.get("converted") is not None), None)
-        cpu = some.get("device") == "cpu"
-        lines.append(f"e2e {TITLES.get(model, model)} ({shape}{', CPU demo: tiny model, times mean nothing' if cpu else ''})"
+        cpu = next(iter(cells.values())).get("device") == "cpu"
+        demo = ", CPU demo: tiny model, times mean nothing" if cpu else ""
+        lines.append(f"e2e {TITLES.get(model, model)} ({shape}{demo})"
                      + (f"; {call} replaced {replaced} modules" if call else "") + ":")
         lines.append(f"  {'mode':<17} {'base ms':>9} {'convert ms':>10} {'speed':>7} {'peak GiB base->conv':>21} "
                      f"{'loss base->conv (delta)':>30}")

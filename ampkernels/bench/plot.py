@@ -153,7 +153,8 @@ def plot_e2e(plt, rows, path):
                 if v:
                     ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(modes)), [m.replace("_convert", "\n+convert") for m in modes], fontsize=7)
-        ax.set(title=f"{TITLES.get(model, model)} {shape} (commit {_commits(list(cells.values()))})", ylabel="ms / step")
+        ax.set(title=f"{TITLES.get(model, model)} {shape} (commit {_commits(list(cells.values()))})",
+               ylabel="ms / step")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
     for ax in axes[len(models):]:
