@@ -6,7 +6,9 @@
   copy bandwidth measured in the same run as a dashed line;
 - linear_act (metric TFLOP/s): throughput per shape and provider, one panel per (pass, dtype),
   with the plain matmul as the reference line;
-- mlp_block / e2e_gpt2 (metric ms): step time per provider.
+- mlp_block / e2e_gpt2 (metric ms): step time per provider;
+- e2e (the four models): e2e.png, one panel per model, ms per step for each mode, eager and
+  torch.compile side by side.
 """
 import collections
 import json
@@ -133,6 +135,35 @@ def plot_steps(plt, op, rows, path):
     plt.close(fig)
 
 
+def plot_e2e(plt, rows, path):
+    """One panel per (model, shape): a group of bars per mode (FP32, AMP, AMP + convert in each
+    dtype), eager and compiled side by side, ms per step written over each bar."""
+    from .bench_e2e import MODES, TITLES, index
+
+    models = index(rows)
+    demo = ", CPU demo: tiny models, times mean nothing" if rows[0].get("device") == "cpu" else ""
+    fig, axes = _grid(plt, len(models), f"e2e: ms per training step, lower is better ({_env_line(rows)}{demo})")
+    for ax, ((model, shape), cells) in zip(axes, models.items()):
+        modes = [m for m in MODES if any((m, c) in cells for c in (False, True))]
+        for j, (compiled, label) in enumerate(((False, "eager"), (True, "torch.compile"))):
+            xs = [i + (j - 0.5) * 0.4 for i in range(len(modes))]
+            ms = [cells[(m, compiled)]["ms"] if (m, compiled) in cells else 0 for m in modes]
+            bars = ax.bar(xs, ms, 0.4, label=label, color=f"C{j}")
+            for bar, v in zip(bars, ms):
+                if v:
+                    ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(modes)), [m.replace("_convert", "\n+convert") for m in modes], fontsize=7)
+        ax.set(title=f"{TITLES.get(model, model)} {shape} (commit {_commits(list(cells.values()))})",
+               ylabel="ms / step")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    for ax in axes[len(models):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_all(jsonl, out_dir):
     import matplotlib
     matplotlib.use("Agg")
@@ -157,6 +188,9 @@ def plot_all(jsonl, out_dir):
         if op_rows:
             written.append(os.path.join(out_dir, f"{op}.png"))
             plot_steps(plt, op, op_rows, written[-1])
+    if any(r.get("op") == "e2e" for r in rows):
+        written.append(os.path.join(out_dir, "e2e.png"))
+        plot_e2e(plt, [r for r in rows if r.get("op") == "e2e"], written[-1])
     for p in written:
         print("wrote", p)
     return written

@@ -8,7 +8,9 @@ Public kernels (Liger-Kernel, QuACK, Apex, flash-attn's Triton norms) are measur
 ours when they import here (providers.py); none is required.
 Without a GPU, a clearly labelled CPU demo runs the ops' reference path instead: it
 checks results against the float64 reference and times them, which says nothing about
-GPU speed.
+GPU speed; `--op e2e` and `--op host` run CPU versions of their own (tiny models, the
+torch reference path), equally labelled.
+The e2e options (--models, --modes, --no-compile / --compile-only, --steps) slice that run.
 """
 import argparse
 import importlib
@@ -22,7 +24,9 @@ from . import providers
 from .common import Recorder, bench, environment
 
 MODULES = {"layer_norm": "bench_layer_norm", "rms_norm": "bench_layer_norm", "linear_act": "bench_linear_act",
-           "mlp": "bench_mlp", "e2e": "bench_e2e"}
+           "mlp": "bench_mlp", "e2e": "bench_e2e", "host": "bench_host"}
+# ops with a CPU version of their own (without a GPU, the others share cpu_demo)
+CPU_OWN = ("e2e", "host")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -81,6 +85,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
                    help="instead of each op's default list: N for layer_norm/rms_norm (rows = 2^27 / N), "
                         "MxKxN for linear_act, TxH (tokens x hidden) for mlp; e2e keeps its model")
+    from . import bench_e2e
+    bench_e2e.add_arguments(p)
     args = p.parse_args(argv)
     out = args.out or os.path.join(os.getcwd(), "bench-out")
     recorder = Recorder(out)
@@ -88,10 +94,15 @@ def main(argv=None):
     print(f"ampkernels bench on {env['gpu']} (cc {env['cc']}), torch {env['torch']}, triton {env['triton']}, "
           f"commit {env['commit']}; rows -> {recorder.path}", flush=True)
     print(providers.describe(providers.discover()), flush=True)
-    if not torch.cuda.is_available():
-        return 0 if cpu_demo(recorder) else 1
-
     ops = list(MODULES) if "all" in args.op else args.op
+    ok = True
+    if not torch.cuda.is_available():
+        # the op benchmarks' CPU demo, unless only ops with a CPU version of their own were asked for
+        if "all" in args.op or set(ops) - set(CPU_OWN):
+            ok = cpu_demo(recorder)
+            if "all" in args.op:
+                return 0 if ok else 1
+        ops = [o for o in ops if o in CPU_OWN]
     modules = list(dict.fromkeys(MODULES[o] for o in ops))
     dtypes = [DTYPES[d] for d in args.dtype]
     report = []
@@ -105,7 +116,8 @@ def main(argv=None):
             continue
         first = len(recorder.rows)
         shapes = _shapes_for(name, args.shapes)
-        mod.run(recorder, dtypes, args.quick, **({"shapes": shapes} if shapes else {}))
+        kwargs = {"shapes": shapes} if shapes else bench_e2e.options(args) if name == "bench_e2e" else {}
+        mod.run(recorder, dtypes, args.quick, **kwargs)
         report += mod.report(recorder.rows[first:])
         print(f"  {name} took {time.time() - t0:.0f}s", flush=True)
     text = "\n".join(["targets (DESIGN.md), measured in this run:"] + [f"  {line}" for line in report])
@@ -115,7 +127,7 @@ def main(argv=None):
     if args.plot:
         from .plot import plot_all
         plot_all(recorder.path, out)
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

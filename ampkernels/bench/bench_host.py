@@ -1,0 +1,188 @@
+"""Host time per call: what each ampkernels op costs the CPU against the torch op(s) it
+replaces, forward and backward apart (issue 32: an op must cost the host no more).
+
+    ampkernels bench --op host
+
+Cases, all under autocast with fp32 parameters and 16-bit x (the AMP case), at tiny shapes
+(8 rows of 256) so that the GPU never holds the host back:
+- layer_norm / rms_norm, with and without a residual, against F.layer_norm / F.rms_norm
+  (after x + residual);
+- linear_act (gelu_tanh, relu) against F.linear followed by the activation;
+- FusedMLP (256 -> 1024 -> 256, gelu_tanh) against the Linear-GELU-Linear it is.
+
+Host time of a call: the wall time of CALLS back-to-back calls without synchronisation,
+divided by CALLS, after warm-up; the median of REPEATS such runs. A backward is timed on
+graphs built beforehand (one forward each), so that its time holds no forward. Each
+ampkernels backend is timed ("cuda", "triton", "auto"). Rows: op, case, pass (fwd|bwd),
+provider, host_us.
+
+Without a GPU the torch reference path runs (a CPU demo: there the time is the CPU's
+whole work, not host overhead beside a GPU).
+"""
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .common import guard, progress
+
+ROWS, HIDDEN, FFN = 8, 256, 1024
+CALLS, REPEATS, WARMUP = 200, 7, 20
+CPU_CALLS, CPU_REPEATS, CPU_WARMUP = 10, 3, 2
+
+
+def _norm_case(op, residual):
+    import ampkernels
+
+    def setup(device, dtype):
+        x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+        r = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+        w = (torch.rand(HIDDEN, device=device) + 0.5).requires_grad_()
+        b = torch.randn(HIDDEN, device=device).requires_grad_()
+        inputs = (x, r, w) if op == "rms_norm" else (x, r, w, b)
+        if not residual:
+            inputs = inputs[:1] + inputs[2:]
+
+        def ours(backend):
+            kw = dict(residual=r if residual else None, backend=backend)
+            if op == "rms_norm":
+                return lambda: ampkernels.rms_norm(x, (HIDDEN,), w, 1e-6, **kw)
+            return lambda: ampkernels.layer_norm(x, (HIDDEN,), w, b, 1e-5, **kw)
+
+        def eager():
+            s = x + r if residual else x
+            out = F.rms_norm(s, (HIDDEN,), w, 1e-6) if op == "rms_norm" else F.layer_norm(s, (HIDDEN,), w, b, 1e-5)
+            return (out, s) if residual else out
+        return inputs, eager, ours
+    return setup
+
+
+def _linear_case(activation):
+    import ampkernels
+    torch_act = {"gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "relu": F.relu}[activation]
+
+    def setup(device, dtype):
+        x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+        w = (torch.randn(FFN, HIDDEN, device=device) * HIDDEN ** -0.5).requires_grad_()
+        b = torch.zeros(FFN, device=device).requires_grad_()
+        return (x, w, b), (lambda: torch_act(F.linear(x, w, b))), \
+            (lambda backend: lambda: ampkernels.linear_act(x, w, b, activation, backend=backend))
+    return setup
+
+
+def _mlp_case(device, dtype):
+    import ampkernels.nn as aknn
+    mlp = aknn.FusedMLP(HIDDEN, FFN, activation="gelu_tanh").to(device)
+    x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+
+    def ours(backend):
+        mlp.backend = backend
+        return lambda: mlp(x)
+    # FusedMLP is the nn.Sequential(Linear, GELU, Linear) it replaces: Sequential.forward runs that
+    return (x, *mlp.parameters()), (lambda: torch.nn.Sequential.forward(mlp, x)), ours
+
+
+CASES = {"layer_norm": ("layer_norm", _norm_case("layer_norm", False)),
+         "layer_norm+residual": ("layer_norm", _norm_case("layer_norm", True)),
+         "rms_norm": ("rms_norm", _norm_case("rms_norm", False)),
+         "rms_norm+residual": ("rms_norm", _norm_case("rms_norm", True)),
+         "linear_act gelu_tanh": ("linear_act", _linear_case("gelu_tanh")),
+         "linear_act relu": ("linear_act", _linear_case("relu")),
+         "fused_mlp": ("fused_mlp", _mlp_case)}
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us(fn, calls, repeats, device, prepare=None):
+    """Median over `repeats` of the wall time of `calls` unsynchronised calls, us per call.
+    prepare(calls) -> the calls' arguments, made before the clock starts (for backward: graphs)."""
+    times = []
+    for _ in range(repeats):
+        args = prepare(calls) if prepare else [()] * calls
+        _sync(device)
+        t0 = time.perf_counter()
+        for a in args:
+            fn(*a)
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        _sync(device)
+    return statistics.median(times)
+
+
+def measure(fwd, inputs, calls, repeats, device, warmup=WARMUP):
+    """(forward host us, backward host us) of fwd() -> tensor or tuple, gradients to inputs."""
+    def outputs():
+        out = fwd()
+        return out if isinstance(out, tuple) else (out,)
+
+    grads = [torch.randn_like(o) for o in outputs()]
+    step = lambda outs: torch.autograd.grad(outs, inputs, grads)  # noqa: E731
+    for _ in range(warmup):  # compiles, autotunes, fills caches
+        step(outputs())
+    fwd_us = host_us(fwd, calls, repeats, device)
+    bwd_us = host_us(step, calls, repeats, device, prepare=lambda n: [(outputs(),) for _ in range(n)])
+    return fwd_us, bwd_us
+
+
+def _providers(device):
+    if device != "cuda":
+        return ["torch"]  # the reference path: all the CPU runs
+    from ampkernels import available_backends
+    return [b for b in ("cuda", "triton") if available_backends()[b][0]] + ["auto"]
+
+
+def run(recorder, dtypes, quick, device=None):
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    calls, repeats = (CALLS, REPEATS) if device == "cuda" else (CPU_CALLS, CPU_REPEATS)
+    if quick:
+        calls, repeats = max(calls // 4, 10), max(repeats // 2, 3)
+    if device != "cuda":
+        print("NO GPU: host-time benchmark of the torch reference path on the CPU (a CPU demo): these times are\n"
+              "the CPU's whole work, not the host's overhead beside a GPU; run it on a CUDA machine.\n", flush=True)
+        dtypes = [torch.bfloat16]
+    cases = [(dt, case, p) for dt in dtypes for case in CASES for p in ["eager"] + _providers(device)]
+    label = lambda c: f"{str(c[0]).replace('torch.', '')} {c[1]} {c[2]}"  # noqa: E731
+    for dtype, case, provider in progress(cases, "host", label):
+        guard(recorder, f"host {case} {provider}", _one, recorder, dtype, case, provider, calls, repeats, device)
+
+
+def _one(recorder, dtype, case, provider, calls, repeats, device):
+    op, setup = CASES[case]
+    inputs, eager, ours = setup(device, dtype)
+    fn = eager if provider == "eager" else ours(provider)
+    with torch.autocast(device, dtype=dtype):
+        fwd_us, bwd_us = measure(fn, inputs, calls, repeats, device, WARMUP if device == "cuda" else CPU_WARMUP)
+    name = "torch" if provider == "eager" else f"ampkernels-{provider}"
+    for pss, us in (("fwd", fwd_us), ("bwd", bwd_us)):
+        recorder.add(op=op, case=case, provider=name, **{"pass": pss}, dtype=str(dtype).replace("torch.", ""),
+                     shape=f"{ROWS}x{HIDDEN}", device=device, bench="host",
+                     metric="host us" if device == "cuda" else "host us (CPU demo)", value=round(us, 1),
+                     host_us=us, calls=calls, repeats=repeats)
+
+
+def report(rows):
+    """Per (case, pass, dtype): torch's host us and each ampkernels provider's, at or above it."""
+    by = {}
+    for r in rows:
+        if r.get("bench") == "host":
+            by.setdefault((r["case"], r["pass"], r["dtype"]), {})[r["provider"]] = r
+    lines = []
+    for (case, pss, dtype), cell in by.items():
+        ref = cell.get("torch")
+        if not ref:
+            continue
+        demo = " (CPU demo)" if ref.get("device") != "cuda" else ""
+        ours = [f"{p} {r['host_us']:.1f} ({r['host_us'] / ref['host_us']:.2f}x) "
+                f"{'AT OR BELOW' if r['host_us'] <= ref['host_us'] else 'ABOVE'}"
+                for p, r in cell.items() if p != "torch"]
+        lines.append(f"host {case} {pss} {dtype}{demo}: torch {ref['host_us']:.1f} us; " + ", ".join(ours))
+    return lines
+
+
+if __name__ == "__main__":
+    import sys
+    from .run import main
+    raise SystemExit(main(["--op", "host"] + sys.argv[1:]))
