@@ -248,17 +248,18 @@ def test_modules_compile_fullgraph_and_checkpoint():
 # ------------------------------------------------------------------ under torch.compile
 
 def _compiled_ops(fn, *args):
-    """(result of fn compiled fullgraph, the op targets of the graphs inductor was handed)."""
+    """(result of fn compiled fullgraph, the op targets of the forward and backward graphs that
+    AOTAutograd hands a compiler, which here runs them as they are)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
     targets = []
 
-    def backend(gm, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
+    def keep(g, example_inputs):
+        targets.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+        return make_boxed_func(g.forward)
 
-        def inner(g, ex):
-            targets.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
-            return compile_fx(g, ex)
-        from torch._functorch.aot_autograd import aot_module_simplified
-        return aot_module_simplified(gm, example_inputs, fw_compiler=inner, bw_compiler=inner)
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
 
     torch._dynamo.reset()
     return torch.compile(fn, backend=backend, fullgraph=True)(*args), targets
@@ -275,19 +276,20 @@ def test_auto_hands_the_ops_to_inductor_under_compile(monkeypatch):
     assert mlp.auto_preference(torch.device("cuda"), torch.bfloat16, "gelu", "large", True) == ("torch",)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_converted_block_compiles_to_inductor_kernels(dtype):
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16),
+                                          pytest.param("cuda", torch.float16, marks=pytest.mark.gpu),
+                                          pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+def test_converted_block_compiles_to_inductor_kernels(device, dtype):
     # "auto" under torch.compile: no ampkernels op reaches inductor, and the step matches eager
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024), torch.nn.GELU(approximate="tanh"),
-                                torch.nn.Linear(1024, 256), torch.nn.RMSNorm(256)).cuda()
+                                torch.nn.Linear(1024, 256), torch.nn.RMSNorm(256)).to(device)
     ref = copy.deepcopy(block)
     aknn.convert(block)
-    x = torch.randn(512, 256, device="cuda")
+    x = torch.randn(512, 256, device=device)
 
     def step(m, x):
-        with torch.autocast("cuda", dtype=dtype):
+        with torch.autocast(device, dtype=dtype):
             return m(x).float().square().mean()
 
     loss, targets = _compiled_ops(lambda x: step(block, x), x)
