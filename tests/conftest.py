@@ -9,7 +9,7 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    # Before any Triton kernel is defined: run them on CPU tensors (see MACHINES.md).
+    # Before any Triton kernel is defined: run them on CPU tensors (fp16/fp32; bf16 is GPU-only).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.pop("AMPKERNELS_BACKEND", None)  # tests choose backends explicitly
 if HAS_CUDA:
@@ -39,6 +39,6 @@ def input_seed(nodeid, salt=""):
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     # fresh random inputs per test, reproducible from the test's name. AMPKERNELS_TEST_SEED=k
-    # draws other inputs, reproducibly: a sweep over k (scripts/ln_seed_sweep.py) is how an
+    # draws other inputs, reproducibly: rerunning a test over several k is how an
     # input-dependent failure is caught again.
     torch.manual_seed(input_seed(request.node.nodeid, os.environ.get("AMPKERNELS_TEST_SEED", "")))

@@ -1,7 +1,7 @@
 """Shared test helpers: relative-error checks against float64 references."""
 import torch
 
-# ‖out − ref‖ / ‖ref‖ bounds (DESIGN.md "Numerics").
+# ‖out − ref‖ / ‖ref‖ bounds (docs/design.md).
 TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5, torch.float64: 1e-12}
 
 

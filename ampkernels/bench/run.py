@@ -120,7 +120,7 @@ def main(argv=None):
         mod.run(recorder, dtypes, args.quick, **kwargs)
         report += mod.report(recorder.rows[first:])
         print(f"  {name} took {time.time() - t0:.0f}s", flush=True)
-    text = "\n".join(["targets (DESIGN.md), measured in this run:"] + [f"  {line}" for line in report])
+    text = "\n".join(["targets (docs/design.md), measured in this run:"] + [f"  {line}" for line in report])
     print("\n" + text)
     with open(os.path.join(out, "report.txt"), "w") as f:
         f.write(text + "\n")
