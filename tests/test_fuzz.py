@@ -10,7 +10,7 @@ Every case checks the forward and every gradient against float64 autograd, the d
 outputs and gradients, and that no input was modified. A failure names the case's seed and
 parameters; AMPKERNELS_FUZZ_SEED=<seed> reruns that case alone (in the test that reported it).
 
-GPU tier: ~11,900 cases. The cuda backend takes the whole space; the triton backend a palette
+GPU tier: ~13,660 cases. The cuda backend takes the whole space; the triton backend a palette
 per test (a Triton kernel compiles once per pointer-dtype signature, BLOCK_N and integer
 argument class: ==1, multiple of 16, other), so that its compiles stay bounded, with autotuning
 off (one config per kernel: the masking and indexing under test are the same for every tile).
