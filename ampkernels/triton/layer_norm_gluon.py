@@ -10,6 +10,7 @@ short (H200, benchmarks/results/h200-2026-12-01-fe3f7e8-norms-report.txt / -norm
 Gluon lets both do what the CUDA kernels do: a persistent program reads the params once into
 shared memory (fp32) and walks its rows through a 2-stage cp.async ring (the next row's copies
 in flight while this row is reduced), each pass reading the row from shared memory.
+layer_norm.py runs them where they measured faster than its own kernels (GLUON_MIN_N).
 
 Backward: a program per SM (16 warps) owns a contiguous chunk of rows; a thread owns the same 32
 columns of every row, 4 chunks of 8 contiguous elements (16 bytes of a 16-bit row), walked one
