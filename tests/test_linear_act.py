@@ -482,7 +482,7 @@ def test_auto_default_preference_and_table(monkeypatch):
     assert la.auto_preference(dev, torch.float16, "gelu", 8192, 4096, 4096) == ("triton", "cuda")
     assert la.auto_preference(dev, torch.float16, "gelu", 8192, 4096, 4096, training=True) == la._AUTO_DEFAULT
     assert la.auto_preference(dev, torch.float16, "gelu", 8, 8, 8) == la._AUTO_DEFAULT
-    assert [la._shape_bucket(*s) for s in ((4096, 3072, 768), (8192, 4096, 1024), (8192, 4096, 4096))] == \
+    assert [la.shape_bucket(*s) for s in ((4096, 3072, 768), (8192, 4096, 1024), (8192, 4096, 4096))] == \
         ["small", "medium", "large"]
     # the measured H200 table: every cell names real backends, the fastest first
     assert len(la._AUTO_TABLE) >= 48
@@ -646,7 +646,7 @@ def test_gpu_act_backward_nan_and_inf_as_reference(backend):
     dy = randn(4, 64, dtype=torch.float16, device="cuda")
     for activation in ACTS[1:]:
         dz = dy.clone()
-        la._act_backward_(dz, pre, activation, False, backend)
+        la.act_backward_(dz, pre, activation, False, backend)
         want = dy.double() * reference.act_grad(pre.double(), activation)
         assert torch.equal(dz.isnan(), want.isnan()), f"{activation}: NaN at {(dz.isnan() != want.isnan()).nonzero()}"
 

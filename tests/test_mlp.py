@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ampkernels import reference
-from ampkernels.ops.linear_act import _act_backward_
+from ampkernels.ops.linear_act import act_backward_
 from ampkernels.ops.mlp import FusedMLPFunction, fused_mlp
 from tests import memory
 from tests.utils import assert_rel_close, randn
@@ -69,11 +69,11 @@ def test_auto_follows_linear_act_table_without_torch(monkeypatch):
     torch path (FusedMLP's point is its memory)."""
     from ampkernels.ops import mlp
     seen = []
-    monkeypatch.setattr(mlp, "_preference", lambda *a: seen.append(a) or ("torch", "triton", "cuda"))
+    monkeypatch.setattr(mlp.la, "preference", lambda *a: seen.append(a) or ("torch", "triton", "cuda"))
     dev = torch.device("cpu")
     assert mlp.auto_preference(dev, torch.bfloat16, "gelu_tanh", "large", True) == ("triton", "cuda")
     assert seen == [(dev, torch.bfloat16, "gelu_tanh", "large", True)]
-    monkeypatch.setattr(mlp, "_preference", lambda *a: ("torch",))
+    monkeypatch.setattr(mlp.la, "preference", lambda *a: ("torch",))
     assert mlp.auto_preference(dev, torch.float16, "gelu", "small", False) == ("cuda", "triton")
 
 
@@ -163,7 +163,7 @@ def test_act_backward_in_place_cpu(backend, activation):
     dy, pre = randn(45, 70, dtype=torch.float16), randn(45, 70, dtype=torch.float16, scale=2)
     want, _ = reference.bias_act_backward(dy, pre, activation)
     buf = dy.clone()
-    db = _act_backward_(buf, pre, activation, True, backend)
+    db = act_backward_(buf, pre, activation, True, backend)
     assert_rel_close(buf, want.double(), torch.float16, what="dz")
     assert db.dtype == torch.float32
     assert_rel_close(db, buf.double().sum(0), torch.float32, what="dbias")
@@ -271,10 +271,10 @@ def test_act_backward_in_place_gpu(activation):
             pre = randn(*shape, dtype=torch.bfloat16, device="cuda", scale=2)
             want, _ = reference.bias_act_backward(dy, pre, activation)
             buf, again = dy.clone(), dy.clone()
-            db = _act_backward_(buf, pre, activation, True, backend)
+            db = act_backward_(buf, pre, activation, True, backend)
             assert_rel_close(buf, want.double(), torch.bfloat16, what=f"{backend} dz {shape}")
             assert_rel_close(db, buf.double().sum(0), torch.float32, what=f"{backend} dbias {shape}")
-            db_again = _act_backward_(again, pre, activation, True, backend)
+            db_again = act_backward_(again, pre, activation, True, backend)
             assert torch.equal(buf, again) and torch.equal(db, db_again), f"{backend} {shape}: not repeatable"
 
 

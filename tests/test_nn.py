@@ -272,7 +272,7 @@ def test_auto_hands_the_ops_to_inductor_under_compile(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     x = torch.randn(4, 8, dtype=torch.float16)
     assert ln._preference(x, 8, "fwd", torch.float32) == ln._preference(x, 8, "bwd") == ("torch",)
-    assert la._preference(torch.device("cuda"), torch.bfloat16, "gelu_tanh", "large", True) == ("torch",)
+    assert la.preference(torch.device("cuda"), torch.bfloat16, "gelu_tanh", "large", True) == ("torch",)
     assert mlp.auto_preference(torch.device("cuda"), torch.bfloat16, "gelu", "large", True) == ("torch",)
 
 

@@ -306,7 +306,7 @@ def auto_table(rows):
     ms = {}
     for r in rows:
         if r.get("op") == OP and r.get("metric") == "TFLOP/s" and r["provider"] in _AUTO_PROVIDERS:
-            key = (getattr(torch, r["dtype"]), la._shape_bucket(r["M"], r["N"], r["K"]), r["pass"] == "fwd_bwd",
+            key = (getattr(torch, r["dtype"]), la.shape_bucket(r["M"], r["N"], r["K"]), r["pass"] == "fwd_bwd",
                    r["activation"], _AUTO_PROVIDERS[r["provider"]])
             ms[key] = ms.get(key, 0.0) + r["ms"]
     table = {}

@@ -16,7 +16,7 @@ from .. import backends, reference
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _fwd_impl(z, bias, activation, store_pre, backend):
+def fwd_impl(z, bias, activation, store_pre, backend):
     if backend == "cuda":
         return torch.ops.ampkernels.bias_act_fwd_cuda(z, bias, reference.activation_id(activation), store_pre)
     # block-wise: allocates y (and pre) only, as the kernel does (fused_mlp's backward recomputes
@@ -31,7 +31,7 @@ def bias_act_fwd(z: Tensor, bias: Optional[Tensor], activation: str, store_pre: 
                  backend: str) -> tuple[Tensor, Tensor]:
     """(y, pre) for a 2-D contiguous z; pre = z + bias in z.dtype (what backward reads),
     or an empty tensor when store_pre is False."""
-    return _fwd_impl(z, bias, activation, store_pre, backend)
+    return fwd_impl(z, bias, activation, store_pre, backend)
 
 
 @bias_act_fwd.register_fake

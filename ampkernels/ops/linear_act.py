@@ -45,7 +45,7 @@ def _eager(x, weight, bias, activation):
 
 # ---------------------------------------------------------------- forward custom op
 
-def _fwd_impl(x, weight, bias, activation, store_pre, backend):
+def fwd_impl(x, weight, bias, activation, store_pre, backend):
     act = reference.activation_id(activation)
     if backend == "cuda":
         return torch.ops.ampkernels.linear_act_fwd_cuda(x, weight, bias, act, store_pre, True)
@@ -66,7 +66,7 @@ def linear_act_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation
                    backend: str) -> tuple[Tensor, Tensor]:
     """(y, pre) for 2-D contiguous x (M, K), weight (N, K); pre = x W^T + b in x's dtype when
     store_pre, else an empty (0, 0) tensor."""
-    return _fwd_impl(x, weight, bias, activation, store_pre, backend)
+    return fwd_impl(x, weight, bias, activation, store_pre, backend)
 
 
 @linear_act_fwd.register_fake
@@ -80,7 +80,7 @@ def _(x, weight, bias, activation, store_pre, backend):
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch >= 2.8 on CUDA: fp16/bf16 GEMM writing fp32
 
 
-def _weight_grad(dz, inp, dtype):
+def weight_grad(dz, inp, dtype):
     """dz.T @ inp: in `dtype` straight from the GEMM where torch can write it (fp32 master
     weights under autocast: the accumulator itself, no fp16/bf16 copy and no cast kernel, which
     took ~0.2 ms for a 4096x16384 weight on the H200); else in dz's dtype, for the caller to
@@ -90,7 +90,7 @@ def _weight_grad(dz, inp, dtype):
     return dz.t().mm(inp)
 
 
-def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype=None):
+def bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype=None):
     act = reference.activation_id(activation)
     # identity with master weights takes the generic path below on every backend: dweight in
     # fp32 from torch's GEMM saves more than cuBLASLt's fused bias gradient (a 20 us sum)
@@ -117,12 +117,12 @@ def _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backe
     # no autocast guard needed: dz, weight and x share the compute dtype, which the functional
     # API made the autocast dtype, so autocast would not cast them
     dx = dz.mm(weight) if need_dx else empty
-    dw = _weight_grad(dz, x, grad_dtype).to(grad_dtype) if need_dw else empty.clone()
+    dw = weight_grad(dz, x, grad_dtype).to(grad_dtype) if need_dw else empty.clone()
     db = db32.to(grad_dtype) if need_db else empty.clone()
     return dx, dw, db
 
 
-def _act_backward_(dy, saved, activation, need_db, backend):
+def act_backward_(dy, saved, activation, need_db, backend):
     """dy *= act'(saved), IN PLACE, and the fp32 column sums of the result (None unless need_db).
 
     For callers that own dy (fused_mlp's backward, on its dh temporary): the act' pass then
@@ -146,7 +146,7 @@ def linear_act_bwd(dy: Tensor, x: Tensor, weight: Tensor, saved: Optional[Tensor
 
     saved: the pre-activation (or ReLU's output; None for identity). dbias accumulated in fp32.
     dweight and dbias in grad_dtype (the master weights' dtype under autocast), else x's."""
-    return _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype)
+    return bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype)
 
 
 @linear_act_bwd.register_fake
@@ -162,7 +162,7 @@ def _(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _eager_call(*tensors):
+def eager_call(*tensors):
     """True when the call may skip the custom-op wrapper and run the implementation directly.
 
     The custom op is what tracing needs (torch.compile, export, fake and other subclass tensors);
@@ -172,14 +172,14 @@ def _eager_call(*tensors):
 
 
 def _fwd(x, weight, bias, activation, store_pre, backend):
-    if _eager_call(x, weight, bias):
-        return _fwd_impl(x, weight, bias, activation, store_pre, backend)
+    if eager_call(x, weight, bias):
+        return fwd_impl(x, weight, bias, activation, store_pre, backend)
     return torch.ops.ampkernels.linear_act_fwd(x, weight, bias, activation, store_pre, backend)
 
 
 def _bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype):
-    if _eager_call(dy, x, weight, saved):
-        return _bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype)
+    if eager_call(dy, x, weight, saved):
+        return bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype)
     return torch.ops.ampkernels.linear_act_bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend,
                                                grad_dtype)
 
@@ -259,17 +259,17 @@ _AUTO_TABLE: dict = {(9, dtype, act, bucket, training): pref
                      for act, pref in zip(_ACT_COLUMNS, prefs)}
 
 
-def _shape_bucket(m, n, k):
+def shape_bucket(m, n, k):
     work = m * n * k
     return "small" if work < (1 << 34) else "medium" if work < (1 << 37) else "large"
 
 
 def auto_preference(device, dtype, activation, m, n, k, training=False):
     """Backends "auto" tries for this call, fastest first (measured where _AUTO_TABLE has it)."""
-    return _preference(device, dtype, activation, _shape_bucket(m, n, k), training)
+    return preference(device, dtype, activation, shape_bucket(m, n, k), training)
 
 
-def _preference(device, dtype, activation, bucket, training):
+def preference(device, dtype, activation, bucket, training):
     if torch.compiler.is_compiling():
         # inductor gets F.linear + the activation: as opaque custom ops our kernels cost the
         # compiled step 200-400 us of host each (docs/performance.md)
@@ -287,7 +287,7 @@ def _preference(device, dtype, activation, bucket, training):
 def _choose(backend, device, dtype, activation, bucket, training, unsupported):
     # A host-side decision (environment, availability probes, the table): under torch.compile
     # it runs once at trace time and the name is baked into the graph, never traced.
-    return backends.select("linear_act", backend, device, _preference(device, dtype, activation, bucket, training),
+    return backends.select("linear_act", backend, device, preference(device, dtype, activation, bucket, training),
                            unsupported)
 
 
@@ -343,7 +343,7 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
     training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
                                             (bias is not None and bias.requires_grad))
-    name = _choose(backend, device, x.dtype, activation, _shape_bucket(m, n, k), training, unsupported)
+    name = _choose(backend, device, x.dtype, activation, shape_bucket(m, n, k), training, unsupported)
     if name != "torch" or recompute:  # the kernels take contiguous tensors; F.linear any strides
         x2, weight = x2.contiguous(), weight.contiguous()
         bias = None if bias is None else bias.contiguous()

@@ -8,7 +8,7 @@ Under autocast the weights are cast inside (FusedMLPFunction): w1 is kept as the
 parameter and cast again late in backward; w2's cast is kept and freed once used.
 
 Eager calls run the implementations directly; torch.compile and opcheck see the custom ops
-(linear_act's _eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
+(linear_act's eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
 storing the pre-activation, then a GEMM + bias. Backward, ordered so that at most two
 hidden-sized tensors are alive (pre and one more): h recomputed by the bias_act kernel (Triton:
 act_forward, the forward epilogue's formulas: the forward's bits), dw2 (+ db2) from it, h freed;
@@ -28,17 +28,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, reference
-from .bias_act import _fwd_impl as _bias_act_fwd
-from .linear_act import _act_backward_, _eager_call, _preference, _shape_bucket, _weight_grad
-from .linear_act import _bwd_impl as _la_bwd
-from .linear_act import _fwd_impl as _la_fwd
+from . import bias_act, linear_act as la
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _fwd_impl(x, w1, b1, w2, b2, activation, backend):
     # first GEMM with bias + activation in its epilogue, also storing the pre-activation
-    h, pre = _la_fwd(x, w1, b1, activation, True, backend)
+    h, pre = la.fwd_impl(x, w1, b1, activation, True, backend)
     return F.linear(h, w2, b2), pre
 
 
@@ -55,15 +52,15 @@ def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend, rel
         from ..triton import linear_act as tk
         h = tk.act_forward(pre, reference.activation_id(activation))
     else:
-        h, _ = _bias_act_fwd(pre, None, activation, False, "cuda" if backend == "cuda" else "torch")
-    _, dw2, db2 = _la_bwd(dout, h, w2, None, "identity", False, True, b2_dtype is not None, backend)
+        h, _ = bias_act.fwd_impl(pre, None, activation, False, "cuda" if backend == "cuda" else "torch")
+    _, dw2, db2 = la.bwd_impl(dout, h, w2, None, "identity", False, True, b2_dtype is not None, backend)
     del h
     # 2. dh = dout W2, then dz = dh * act'(pre) IN PLACE: dh is this function's own temporary
     #    (never visible outside), so the act' pass needs no third hidden-sized buffer. cuda and
     #    Triton sum db1 in the same pass; torch sums dz after it.
     need_db1 = b1_dtype is not None
     dh = dout.mm(w2)
-    db1_32 = _act_backward_(dh, pre, activation, need_db1, backend)
+    db1_32 = la.act_backward_(dh, pre, activation, need_db1, backend)
     if release_pre:
         pre.untyped_storage().resize_(0)
     if release_w2:
@@ -71,7 +68,7 @@ def _bwd_impl(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend, rel
     # 3. layer 1 with act' already applied (dz = dh). dx first, so that w1's cast is gone before
     #    dw1 exists; dw1 in w1's dtype straight from the GEMM where torch can (no cast kernel).
     dx = dh.mm(w1.to(x.dtype))
-    dw1 = _weight_grad(dh, x, w1.dtype)
+    dw1 = la.weight_grad(dh, x, w1.dtype)
     del dh
     db1 = db1_32.to(x.dtype) if need_db1 else dx.new_empty(0)
     return dx, dw1.to(w1.dtype), db1, dw2, db2
@@ -129,7 +126,7 @@ class FusedMLPFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, w1, b1, w2, b2, activation, backend, dtype=None):
         w1c, b1c, w2c, b2c = (t if t is None or dtype is None else t.to(dtype) for t in (w1, b1, w2, b2))
-        op = _fwd_impl if _eager_call(x, w1c, b1c, w2c, b2c) else torch.ops.ampkernels.fused_mlp_fwd
+        op = _fwd_impl if la.eager_call(x, w1c, b1c, w2c, b2c) else torch.ops.ampkernels.fused_mlp_fwd
         out, pre = op(x, w1c, b1c, w2c, b2c, activation, backend)
         ctx.save_for_backward(x, w1, w2c, pre)
         ctx.activation, ctx.backend = activation, backend
@@ -142,7 +139,7 @@ class FusedMLPFunction(torch.autograd.Function):
     def backward(ctx, dout):
         x, w1, w2, pre = ctx.saved_tensors
         args = (dout.contiguous(), x, w1, w2, pre, ctx.activation, *ctx.bias_dtypes, ctx.backend)
-        if _eager_call(dout, x, w1, w2, pre):
+        if la.eager_call(dout, x, w1, w2, pre):
             release = _dies_with_this_backward(pre)
             dx, dw1, db1, dw2, db2 = _bwd_impl(*args, release_pre=release,
                                                release_w2=release and ctx.w2_is_own_cast and _dies_with_this_backward(w2))
@@ -159,7 +156,7 @@ def auto_preference(device, dtype, activation, bucket, training):
     In the MLP benchmark (bf16) this picks what ran faster: Triton at T=8192 H=4096 (11.74-12.15 ms
     against cuda's 11.94-12.70), cuda at T=16384 H=1024 (2.02-2.07 against 2.27-2.54, host-bound
     there). Under torch.compile linear_act's decision: inductor gets the block."""
-    pref = _preference(device, dtype, activation, bucket, training)
+    pref = la.preference(device, dtype, activation, bucket, training)
     if torch.compiler.is_compiling():
         return pref  # linear_act's decision under torch.compile (inductor gets the block)
     return tuple(b for b in pref if b != "torch") or ("cuda", "triton")
@@ -198,7 +195,7 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
         unsupported = "weights and biases must be floating point"
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    name = _choose(backend, x.device, x.dtype, activation, _shape_bucket(m, w1.shape[0], w1.shape[1]), training,
+    name = _choose(backend, x.device, x.dtype, activation, la.shape_bucket(m, w1.shape[0], w1.shape[1]), training,
                    unsupported)
     if name == "torch":  # the eager block, exactly what FusedMLP replaces (F.linear casts under autocast)
         return F.linear(reference.act_fwd(F.linear(x, w1, b1), activation), w2, b2)
