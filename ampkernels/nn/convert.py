@@ -1,17 +1,31 @@
 """convert(model): swap what ampkernels can provably replace, in place, sharing parameters.
 
 Recognised (anything else is left untouched):
-- torch.nn.LayerNorm / torch.nn.RMSNorm (exact classes) -> ampkernels.nn.LayerNorm / RMSNorm;
-  Hugging Face LlamaRMSNorm-style modules (weight + variance_epsilon) -> RMSNorm.
+- Norms: torch.nn.LayerNorm / torch.nn.RMSNorm and their subclasses (timm's LayerNorm,
+  LayerNormFp32, ...) -> ampkernels.nn.LayerNorm / RMSNorm; Hugging Face LlamaRMSNorm-style
+  modules (weight + variance_epsilon) and timm's RmsNorm / RmsNormFp32 -> RMSNorm.
 - In an nn.Sequential: a torch.nn.Linear directly followed by a known activation module
   -> ampkernels.nn.Linear(activation=...) and the activation slot -> nn.Identity.
 - Hugging Face MLPs whose forward applies the activation straight to one projection:
   BertIntermediate (dense -> intermediate_act_fn), BertPredictionHeadTransform, GPT2MLP (c_fc -> act; Conv1D weights are
   used transposed, no copy), LLaMA-style MLPs (gate_proj -> act_fn). The projection
   becomes fused and the activation attribute becomes nn.Identity.
+- timm's Mlp (fc1 -> act -> drop1 -> norm -> fc2): fc1 + act -> ampkernels.nn.Linear(activation=...),
+  act -> nn.Identity (drop1 and norm come after the activation and stay as they are).
+
+The probe: a norm, or a timm Mlp, is only swapped after a copy of it (fp32, random parameters,
+on its own device) and the swapped copy give the same output (1e-5 of the output's largest
+magnitude) on random fp32 inputs, the RNG replayed for each so that dropout draws the same
+mask. The class name alone is never trusted: a subclass whose forward computes something
+else fails the probe and is left alone. Modules with hooks (which a swap would drop) are
+left alone too. Exact torch.nn.LayerNorm / RMSNorm are probed as well; on the meta device,
+where nothing can run, only norms with torch's own forward (equal by construction) are swapped.
+
 New modules reuse the existing Parameter objects: optimizers, tied weights and state_dict
-keys keep working. Returns (model, ConvertReport).
+keys keep working. Returns (model, ConvertReport): what was replaced, and what was
+recognised but left alone, with the reason (`report.skipped`).
 """
+import copy
 import dataclasses
 
 import torch
@@ -39,6 +53,9 @@ def activation_name(module):
                 torch.nn.functional.gelu:
             return None  # GELUActivation(use_gelu_python=True) is the erf GELU too, but stay strict
         return name
+    # timm.layers.activations (what timm's get_act_layer("gelu") gives): forward is F.gelu(x[, approximate])
+    if t.__module__ == "timm.layers.activations":
+        return {"GELU": "gelu", "GELUTanh": "gelu_tanh"}.get(t.__name__)
     return None
 
 
@@ -72,14 +89,25 @@ class Replacement:
 
 
 @dataclasses.dataclass
+class Skipped:
+    path: str            # the module's qualified name in the model
+    cls: str             # its module-qualified class name
+    reason: str          # why convert left it alone
+
+
+@dataclasses.dataclass
 class ConvertReport:
     replaced: list = dataclasses.field(default_factory=list)  # (path, old class, new class), short names
     details: list = dataclasses.field(default_factory=list)   # Replacement per entry of `replaced`
+    skipped: list = dataclasses.field(default_factory=list)   # Skipped: recognised, left alone
 
     def add(self, path, old, new):
         self.replaced.append((path, type(old).__name__, type(new).__name__))
         self.details.append(Replacement(path, _qualified_name(type(old)), _qualified_name(type(new)),
                                         getattr(new, "activation", None)))
+
+    def skip(self, path, module, reason):
+        self.skipped.append(Skipped(path, _qualified_name(type(module)), reason))
 
     def sort(self, order):
         """Put the entries in model order: `order` maps a module path to its position."""
@@ -87,14 +115,21 @@ class ConvertReport:
         keep = sorted(range(len(ranks)), key=ranks.__getitem__)
         self.replaced = [self.replaced[i] for i in keep]
         self.details = [self.details[i] for i in keep]
+        self.skipped.sort(key=lambda k: order.get(k.path, len(order)))
 
     def __str__(self):
-        if not self.replaced:
+        if not self.replaced and not self.skipped:
             return "ampkernels.nn.convert: nothing recognised; model unchanged"
-        lines = [f"ampkernels.nn.convert: {len(self.replaced)} module(s) replaced"]
+        if self.replaced:
+            lines = [f"ampkernels.nn.convert: {len(self.replaced)} module(s) replaced"]
+        else:
+            lines = ["ampkernels.nn.convert: nothing replaced; model unchanged"]
         for d in self.details:
             fused = f" (fused activation: {d.activation})" if d.activation else ""
             lines.append(f"  {d.path}: {d.old} -> {d.new}{fused}")
+        if self.skipped:
+            lines.append(f"ampkernels.nn.convert: {len(self.skipped)} module(s) recognised but left alone")
+            lines += [f"  {k.path or '(model)'}: {k.cls} ({k.reason})" for k in self.skipped]
         return "\n".join(lines)
 
 
@@ -110,7 +145,7 @@ def _new_rms_norm(old, backend, out_dtype):
     if eps is None and hasattr(old, "variance_epsilon"):
         eps = old.variance_epsilon
     shape = getattr(old, "normalized_shape", None) or tuple(old.weight.shape)
-    new = RMSNorm(shape, eps, True, device="meta", backend=backend, out_dtype=out_dtype)
+    new = RMSNorm(shape, eps, old.weight is not None, device="meta", backend=backend, out_dtype=out_dtype)
     new.weight = old.weight
     return new
 
@@ -126,6 +161,128 @@ def _is_hf_rms_norm(m):
     return type(m).__name__.endswith("RMSNorm") and type(m).__module__.startswith("transformers.") and \
         hasattr(m, "variance_epsilon") and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and \
         len(list(m.children())) == 0
+
+
+def _is_timm_rms_norm(m):
+    # timm.layers.RmsNorm / RmsNormFp32: x * rsqrt(mean(x^2) + eps) [* weight], computed in fp32 by the second
+    return type(m).__module__.startswith("timm.") and type(m).__name__ in ("RmsNorm", "RmsNormFp32") and \
+        hasattr(m, "eps") and hasattr(m, "normalized_shape") and len(list(m.children())) == 0
+
+
+def _norm_builder(m):
+    """How to build the ampkernels norm for `m`, or None if `m` is no norm convert knows."""
+    if isinstance(m, (LayerNorm, RMSNorm)):
+        return None  # converted already
+    if isinstance(m, torch.nn.LayerNorm):
+        return _new_layer_norm
+    if isinstance(m, torch.nn.RMSNorm) or _is_hf_rms_norm(m) or _is_timm_rms_norm(m):
+        return _new_rms_norm
+    return None
+
+
+def _hooked(*modules):
+    """Why swapping these modules would change behaviour the class does not show, or None."""
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return f"{type(m).__name__} has hooks, which a swap would drop"
+        if "forward" in vars(m):
+            return f"{type(m).__name__}.forward is patched on the instance"
+    return None
+
+
+# ------------------------------------------------------------------ the probe
+
+PROBE_RTOL = 1e-5  # of the output's largest magnitude: fp32 rounding is ~1e-7, any real difference far more
+
+
+def _rng_replay(device):
+    """A function that puts the RNG of the CPU and of `device` back where it is now."""
+    cpu = torch.get_rng_state()
+    dev = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore():
+        torch.set_rng_state(cpu)
+        if dev is not None:
+            torch.cuda.set_rng_state(dev, device)
+    return restore
+
+
+def _probe_inputs(feature_shape, gen):
+    z = torch.randn((2, 5, *feature_shape), generator=gen)
+    # unit scale, then a small spread on an offset: an eps or a centring that differs shows in the second
+    return [z, 0.5 + 0.01 * z]
+
+
+def probe(module, swap, feature_shape, *, rtol=PROBE_RTOL):
+    """None if `swap` leaves what `module` computes unchanged, else the reason it does not (or cannot be shown).
+
+    Runs on copies: `module` copied to fp32 on its own device with random parameters, and
+    `swap(another copy)`, which returns the module to compare (a new one, or the copy changed
+    in place). Both get the same random fp32 inputs of shape (2, 5, *feature_shape), the RNG
+    replayed for each (dropout draws the same mask), autocast off, no grad. `module` and the
+    RNG are left as they were.
+    """
+    tensors = list(module.parameters()) + list(module.buffers())
+    if any(t.is_meta for t in tensors):
+        return "parameters on the meta device: cannot probe"
+    device = tensors[0].device if tensors else torch.device("cpu")
+    restore = _rng_replay(device)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        ref = copy.deepcopy(module).float()
+        with torch.no_grad():
+            for t in ref.parameters():  # random, so that a forward ignoring a weight or a bias shows
+                scale = t.shape[-1] ** -0.5 if t.dim() > 1 else 0.5
+                t.copy_(torch.randn(t.shape, generator=gen) * scale)
+        cand = swap(copy.deepcopy(ref))
+    except Exception as e:  # noqa: BLE001 -- anything that stops the probe means "not shown equal"
+        return f"probe: could not copy or build ({type(e).__name__}: {e})"
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            for x in _probe_inputs(feature_shape, gen):
+                x = x.to(device)
+                try:
+                    restore()
+                    want = ref(x)
+                except Exception as e:  # noqa: BLE001
+                    return _probe_raised(ref, x, e)
+                restore()
+                got = cand(x)
+                if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or \
+                        want.shape != got.shape or want.dtype != got.dtype:
+                    return "probe: output is not one tensor of the original's shape and dtype"
+                err = (got - want).abs().max().item()
+                tol = rtol * max(want.abs().max().item(), 1e-3)
+                if not err <= tol:  # NaN fails
+                    return f"probe: forward differs from the base operation (max |diff| {err:.1e} > {tol:.1e})"
+    except Exception as e:  # noqa: BLE001
+        return f"probe: the replacement raised {type(e).__name__}: {e}"
+    finally:
+        restore()
+    return None
+
+
+def _probe_raised(ref, x, e):
+    """The reason for a probe whose original raised on a (..., features) input: channels-first, or unknown."""
+    if x.dim() == 3:
+        try:  # does it normalise dim 1 of an NCHW tensor instead (timm's LayerNorm2d: permutes)?
+            y = ref(x[:, :3].permute(0, 2, 1).unsqueeze(-1).expand(-1, -1, -1, 4).contiguous())
+            if y.shape[1] == x.shape[-1]:
+                return "channels-first (NCHW) norm, permutes around the op: not replaced"
+        except Exception:  # noqa: BLE001
+            pass
+    return f"probe: the original raised {type(e).__name__} on a (..., {x.shape[-1]}) input"
+
+
+def _swap_norm(child, backend, out_dtype):
+    """The ampkernels norm for `child` (sharing its parameters), or the reason to leave it."""
+    build = _norm_builder(child)
+    reason = _hooked(child) or probe(child, lambda m: build(m, backend, None), tuple(child.normalized_shape)
+                                     if hasattr(child, "normalized_shape") else tuple(child.weight.shape))
+    by_construction = type(child).forward in (torch.nn.LayerNorm.forward, torch.nn.RMSNorm.forward)  # torch's own
+    if reason and not (by_construction and reason.startswith("parameters on the meta device")):
+        return reason
+    return build(child, backend, out_dtype)
 
 
 # Hugging Face MLP classes: (class name, projection attribute, activation attribute)
@@ -151,13 +308,48 @@ def _fuse_projection(proj, act, backend):
     return None
 
 
+def _timm_mlp_kind(m):
+    t = type(m)
+    if not t.__module__.startswith("timm."):
+        return None
+    return {"Mlp": "mlp", "GluMlp": "gated", "SwiGLU": "gated"}.get(t.__name__)
+
+
+def _fuse_timm_mlp(mlp, backend):
+    """Fuse timm Mlp's fc1 + act in place (returns the new fc1) or return the reason not to (a str).
+
+    Mlp.forward is fc1 -> act -> drop1 -> norm -> fc2 -> drop2: the activation applies straight
+    to fc1's output, so drop1 and norm (whatever they are) stay where they are, after it.
+    """
+    fc1, act = mlp.fc1, mlp.act
+    if type(fc1) is not torch.nn.Linear:
+        return f"fc1 is {type(fc1).__name__} (use_conv=True or custom): no fused op for it"
+    activation = activation_name(act)
+    if activation is None:
+        return f"activation {_qualified_name(type(act))}: no fused equivalent"
+    reason = _hooked(fc1, act)
+    if reason:
+        return reason
+
+    def swap(m):
+        m.fc1, m.act = _new_linear(m.fc1, activation, backend), torch.nn.Identity()
+        return m
+    reason = probe(mlp, swap, (fc1.in_features,))
+    if reason:
+        return reason
+    mlp.fc1, mlp.act = _new_linear(fc1, activation, backend), torch.nn.Identity()
+    return mlp.fc1
+
+
 def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=None, verbose=False):
     """Swap recognised norms and Linear->activation pairs in `model` (in place).
 
     norms / linears: restrict what is converted. backend: stored on every new module
     (None = "auto"). norm_out_dtype: the new norms' out_dtype (see ampkernels.nn.LayerNorm;
     "autocast" suits transformers whose norm outputs only feed matmuls). Returns
-    (model, ConvertReport). A model with nothing recognised is returned unchanged.
+    (model, ConvertReport). A model with nothing recognised is returned unchanged; what was
+    recognised but left alone (a probe that failed, a gated MLP, hooks) is in report.skipped
+    with the reason.
     """
     if backend is not None:
         from ..backends import requested
@@ -165,7 +357,7 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
     report = ConvertReport()
     # the report lists modules in model order; the walk below meets a parent's norms before its children
     model_order = {path: i for i, (path, _) in enumerate(model.named_modules())}
-    if norms and type(model) in (torch.nn.LayerNorm, torch.nn.RMSNorm):
+    if norms and _norm_builder(model) is not None:
         raise ValueError("convert() swaps submodules; wrap a bare norm in a container or use ampkernels.nn directly")
     for path, parent in list(model.named_modules()):
         prefix = f"{path}." if path else ""
@@ -175,6 +367,10 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
                 lin, act = parent._modules[a], parent._modules[b]
                 activation = activation_name(act)
                 if type(lin) is torch.nn.Linear and activation is not None:
+                    reason = _hooked(lin, act)
+                    if reason:
+                        report.skip(prefix + a, lin, reason)
+                        continue
                     new = _new_linear(lin, activation, backend)
                     parent._modules[a], parent._modules[b] = new, torch.nn.Identity()
                     report.add(prefix + a, lin, new)
@@ -182,17 +378,30 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
         if linears and mlp and type(parent).__module__.startswith("transformers."):
             proj, act = getattr(parent, mlp[1]), getattr(parent, mlp[2])
             new = _fuse_projection(proj, act, backend)
-            if new is not None:
+            reason = new is not None and _hooked(proj, act)
+            if reason:
+                report.skip(prefix + mlp[1], proj, reason)
+            elif new is not None:
                 setattr(parent, mlp[1], new)
                 setattr(parent, mlp[2], torch.nn.Identity())
                 report.add(prefix + mlp[1], proj, new)
+        kind = _timm_mlp_kind(parent) if linears else None
+        if kind == "gated":
+            report.skip(path, parent, "gated MLP: no fused op yet")
+        elif kind == "mlp":
+            old = parent.fc1
+            new = _fuse_timm_mlp(parent, backend)
+            if isinstance(new, str):
+                report.skip(path, parent, new)
+            else:
+                report.add(prefix + "fc1", old, new)
         if norms:
             for name, child in list(parent.named_children()):
-                if type(child) is torch.nn.LayerNorm:
-                    new = _new_layer_norm(child, backend, norm_out_dtype)
-                elif type(child) is torch.nn.RMSNorm or _is_hf_rms_norm(child):
-                    new = _new_rms_norm(child, backend, norm_out_dtype)
-                else:
+                if _norm_builder(child) is None:
+                    continue
+                new = _swap_norm(child, backend, norm_out_dtype)
+                if isinstance(new, str):
+                    report.skip(prefix + name, child, new)
                     continue
                 setattr(parent, name, new)
                 report.add(prefix + name, child, new)
@@ -202,4 +411,4 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
     return model, report
 
 
-__all__ = ["convert", "ConvertReport", "Replacement", "Conv1DAct", "activation_name"]
+__all__ = ["convert", "ConvertReport", "Replacement", "Skipped", "Conv1DAct", "activation_name", "probe"]
