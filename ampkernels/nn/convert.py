@@ -10,7 +10,7 @@ Recognised (anything else is left untouched):
   BertIntermediate (dense -> intermediate_act_fn), BertPredictionHeadTransform, GPT2MLP (c_fc -> act; Conv1D weights are
   used transposed, no copy), LLaMA-style MLPs (gate_proj -> act_fn). The projection
   becomes fused and the activation attribute becomes nn.Identity.
-- timm's Mlp (fc1 -> act -> drop1 -> norm -> fc2): fc1 + act -> ampkernels.nn.Linear(activation=...),
+- timm's Mlp and subclasses (fc1 -> act -> drop1 -> norm -> fc2): fc1 + act -> ampkernels.nn.Linear(activation=...),
   act -> nn.Identity (drop1 and norm come after the activation and stay as they are).
 
 The probe: a norm, or a timm Mlp, is only swapped after a copy of it (fp32, random parameters,
@@ -309,10 +309,11 @@ def _fuse_projection(proj, act, backend):
 
 
 def _timm_mlp_kind(m):
-    t = type(m)
-    if not t.__module__.startswith("timm."):
-        return None
-    return {"Mlp": "mlp", "GluMlp": "gated", "SwiGLU": "gated"}.get(t.__name__)
+    """"mlp" for timm's Mlp and its subclasses (whose forward the probe checks), "gated" for GluMlp / SwiGLU."""
+    for t in type(m).__mro__:  # by name, so that timm stays optional
+        if t.__module__.startswith("timm.") and t.__name__ in ("Mlp", "GluMlp", "SwiGLU"):
+            return "mlp" if t.__name__ == "Mlp" else "gated"
+    return None
 
 
 def _fuse_timm_mlp(mlp, backend):
