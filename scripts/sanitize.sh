@@ -23,9 +23,11 @@ summary="$OUT/sanitizer.txt"
 export AMPKERNELS_TRITON_AUTOTUNE=0
 # compile the Triton kernels once outside the tool (it slows the compiler down tenfold);
 # the runs below load them from Triton's cache
+t0=$SECONDS
 SANITIZER_OPS="norms linear_act mlp" python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { cat "$logs/warmup.log"; exit 1; }
 case " $BACKENDS " in *" triton "*)  # the initcheck control below runs Triton without TMA too
   AMPKERNELS_TRITON_TMA=0 SANITIZER_OPS="linear_act mlp" python3 scripts/sanitize_cases.py triton >>"$logs/warmup.log" 2>&1 ;; esac
+echo "warm-up (the cases without the tool, compiling the Triton kernels): $((SECONDS - t0))s; $(grep -c . "$logs/warmup.log") log lines" | tee -a "$summary"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the tool see each allocation's real bounds
 run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", several quoted, or "all"
   local tool=$1 ops=$2; shift 2

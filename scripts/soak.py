@@ -4,8 +4,10 @@ run of the unconverted model.
     python3 scripts/soak.py [--steps 10000] [--out DIR_OR_FILE.json] [--layers 2] [--hidden 256]
                             [--seq 128] [--batch 8] [--backend auto] [--overflow-steps 2500,5000]
 
-Both runs start from one initialisation and see the same batches (a pool of synthetic bigram
-batches, ampkernels.bench.bench_e2e.synthetic_batches, cycled). Per run, checked:
+Both runs start from one initialisation and see the same batches (synthetic bigram batches,
+ampkernels.bench.bench_e2e.synthetic_batches; by default a fresh batch every step, so the loss
+settles at the data's entropy instead of a memorised near-zero, where two runs' tails cannot be
+compared). Per run, checked:
 - forced overflows: at --overflow-steps an inf is written into one gradient after backward; the
   GradScaler must skip that step (the parameters and AdamW's step count unchanged) and halve its
   scale;
@@ -49,7 +51,7 @@ def parse(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--pool", type=int, default=64, help="distinct batches, cycled")
+    p.add_argument("--pool", type=int, default=None, help="distinct batches, cycled (default: one per step)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--backend", default=None, help="ampkernels backend of the converted modules (default auto)")
     p.add_argument("--overflow-steps", default=None, help="comma-separated; default: 1/4 and 1/2 of --steps")
@@ -143,6 +145,7 @@ def train(name, base, batches, args, device, dtype, convert, overflow_steps, str
                 step=i, scale_before=scale_before, scale_after=scale_after,
                 skipped=bool(torch.equal(param_before, probe_param.detach())) and _adam_step(opt, probe_param) ==
                 step_before, scale_halved=math.isclose(scale_after, scale_before * scaler.get_backoff_factor())))
+            del param_before  # a parameter-sized copy: kept, it would read as memory growth
     if cuda:
         torch.cuda.synchronize()
         mem["end"] = torch.cuda.memory_allocated()
@@ -153,12 +156,19 @@ def train(name, base, batches, args, device, dtype, convert, overflow_steps, str
     tail = [v for j, v in enumerate(losses.tolist()) if j >= args.steps - max(1, args.steps // 10) and j not in skipped]
     out = dict(name=name, converted=convert, steps=args.steps, seconds=round(elapsed, 1),
                ms_per_step=round(1e3 * elapsed / args.steps, 2), first_loss=losses[0].item(),
-               tail_mean_loss=sum(tail) / len(tail), finite=bool(torch.isfinite(losses).all()),
+               tail_mean_loss=sum(tail) / len(tail), loss_curve=_curve(losses, skipped), finite=bool(torch.isfinite(losses).all()),
                overflows=overflow_results, memory=mem, synced_regions=probe.synced,
                strict_regions=sorted(probe.strict), final_scale=scaler.get_scale())
     if convert:
         out["converted_modules"] = str(report)
     return out, set(probe.synced)
+
+
+def _curve(losses, skipped, points=50):
+    """The loss curve: means of `points` runs of consecutive steps (forced-overflow steps left out)."""
+    vals = [(k, v) for k, v in enumerate(losses.tolist()) if k not in skipped]
+    size = max(1, -(-len(vals) // points))
+    return [round(sum(v for _, v in vals[i:i + size]) / len(vals[i:i + size]), 4) for i in range(0, len(vals), size)]
 
 
 def _adam_step(opt, p):
@@ -195,7 +205,7 @@ def main(argv=None):
     cfg = transformers.GPT2Config(n_embd=args.hidden, n_layer=args.layers, n_head=args.heads, n_positions=args.seq,
                                   vocab_size=args.vocab, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     base = transformers.GPT2LMHeadModel(cfg)
-    batches = [b.to(device) for b in synthetic_batches(min(args.pool, args.steps), args.batch, args.seq, args.vocab)]
+    batches = [b.to(device) for b in synthetic_batches(min(args.pool or args.steps, args.steps), args.batch, args.seq, args.vocab)]
     runs, results = [], []
     baseline_synced = None
     if not args.no_baseline:

@@ -82,20 +82,19 @@ class Workload:
 
 
 def synthetic_batches(steps, batch, seq, vocab, seed=0):
-    """Tokens from a fixed random bigram model (peaked, so there is something to learn)."""
+    """Tokens from a fixed random bigram model (peaked, so there is something to learn): `steps`
+    batches of (batch, seq), drawn at once (views of one tensor)."""
     g = torch.Generator().manual_seed(seed)
     next_tok = torch.randint(0, vocab, (vocab, 4), generator=g)  # each token has 4 likely successors
-    out = []
-    for _ in range(steps):
-        t = torch.empty(batch, seq, dtype=torch.long)
-        t[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
-        choice = torch.randint(0, 4, (batch, seq), generator=g)
-        noise = torch.rand(batch, seq, generator=g) < 0.1
-        rand_tok = torch.randint(0, vocab, (batch, seq), generator=g)
-        for i in range(1, seq):
-            t[:, i] = torch.where(noise[:, i], rand_tok[:, i], next_tok[t[:, i - 1], choice[:, i]])
-        out.append(t)
-    return out
+    rows = steps * batch
+    t = torch.empty(rows, seq, dtype=torch.long)
+    t[:, 0] = torch.randint(0, vocab, (rows,), generator=g)
+    choice = torch.randint(0, 4, (rows, seq), generator=g)
+    noise = torch.rand(rows, seq, generator=g) < 0.1
+    rand_tok = torch.randint(0, vocab, (rows, seq), generator=g)
+    for i in range(1, seq):
+        t[:, i] = torch.where(noise[:, i], rand_tok[:, i], next_tok[t[:, i - 1], choice[:, i]])
+    return list(t.view(steps, batch, seq))
 
 
 def masked_batches(steps, batch, seq, vocab, seed=0, rate=0.15):
