@@ -83,6 +83,13 @@ def test_convert_outputs_match(name):
     params_before = {id(p) for p in model.parameters()}
     _, report = aknn.convert(model)
     assert _counts(report) == EXPECTED[name], str(report)
+    lines = str(report).splitlines()
+    assert lines[0] == f"ampkernels.nn.convert: {len(report.replaced)} module(s) replaced" and report.skipped == []
+    for line, d in zip(lines[1:], report.details):  # path: old -> new [(fused activation: ...)], model order
+        fused = f" (fused activation: {d.activation})" if d.activation else ""
+        assert line == f"  {d.path}: {d.old} -> {d.new}{fused}" and d.new.startswith("ampkernels.nn.")
+    order = [p for p, _ in model.named_modules()]
+    assert [order.index(d.path) for d in report.details] == sorted(order.index(d.path) for d in report.details)
     assert {id(p) for p in model.parameters()} == params_before
     assert model.state_dict().keys() == ref.state_dict().keys()
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
