@@ -244,3 +244,29 @@ def test_save_pretrained_round_trip(make, tmp_path):
     with torch.no_grad():
         assert_rel_close(again(ids).logits, loaded(ids).logits, torch.float32, factor=10)
     assert converted.state_dict().keys() == again.state_dict().keys()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                           (torch.bfloat16, torch.bfloat16)])
+def test_gpu_gemma_norm_kernels(backend, wdtype, xdtype):
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    g = GemmaRMSNorm(1000, eps=1e-6).cuda()  # an odd width
+    with torch.no_grad():
+        g.weight.normal_(0.0, 0.3)
+    holder = torch.nn.Sequential(copy.deepcopy(g))
+    aknn.convert(holder, backend=backend)
+    new = holder[0].to(wdtype)
+    assert type(new) is aknn.OffsetRMSNorm
+    x = (torch.randn(37, 1000, device="cuda") * 3 + 0.5).to(xdtype).requires_grad_()
+    dy = torch.randn(37, 1000, device="cuda").to(xdtype)
+    out = new(x)
+    out.backward(dy)
+    x64, w64 = x.detach().double().requires_grad_(), new.weight.detach().double().requires_grad_()
+    ref = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6) * (1 + w64)
+    ref.backward(dy.double())
+    assert out.dtype == xdtype
+    assert_rel_close(out, ref, xdtype, what="out")
+    assert_rel_close(x.grad, x64.grad, xdtype, factor=2, what="dx")
+    assert_rel_close(new.weight.grad, w64.grad, wdtype if wdtype != torch.float32 else xdtype, factor=2, what="dw")

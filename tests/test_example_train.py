@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_causal_lm.py"
 
 
-def _run(tmp_path, *args, launcher=(), tag="run"):
+def _run(tmp_path, *args, launcher=(), tag="run", device="cpu"):
     out = tmp_path / f"{tag}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, *launcher, str(SCRIPT), "--tiny", "--device", "cpu", "--json", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    cmd = [sys.executable, *launcher, str(SCRIPT), "--tiny", "--device", device, "--json", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -44,3 +44,14 @@ def test_torchrun_two_processes_gloo(tmp_path):
     s, stdout = _run(tmp_path, "--steps", "2", "--dtype", "fp16", launcher=launcher)  # fp16: the GradScaler path
     assert s["world_size"] == 2 and len(s["losses"]) == 2 and all(math.isfinite(v) for v in s["losses"])
     assert "2 process(es)" in stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [("--dtype", "bf16"), ("--dtype", "fp16"), ("--dtype", "bf16", "--compile")],
+                         ids=["bf16", "fp16", "bf16-compile"])
+def test_gpu_tiny_run_matches_unconverted(tmp_path, extra):
+    conv, _ = _run(tmp_path, "--steps", "6", *extra, tag="conv", device="cuda")
+    plain, _ = _run(tmp_path, "--steps", "6", "--no-ampkernels", *extra, tag="plain", device="cuda")
+    assert conv["device"].startswith("cuda") and conv["peak_memory_kind"] == "max_memory_allocated"
+    assert conv["losses"] == pytest.approx(plain["losses"], abs=2e-2)  # AMP rounding over 6 steps
+

@@ -92,3 +92,21 @@ def test_onnx_export_runs_in_onnxruntime(make, tmp_path):
     (got,) = session.run(None, feeds)
     with torch.no_grad():
         assert_rel_close(torch.from_numpy(got), ref(*args), torch.float32, factor=10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [None, "cuda", "triton"])
+def test_gpu_converted_gpt2_exports_as_aten_ops(backend):
+    # the kernels in eager, the torch path in the exported program: the same logits to bf16 rounding
+    ref, args = _gpt2()
+    ref = ref.cuda().to(torch.bfloat16)  # the reference: these bf16 weights, in float64
+    model = copy.deepcopy(ref)
+    _, report = aknn.convert(model, backend=backend)
+    assert report.replaced
+    args = tuple(a.cuda() for a in args)
+    ep = torch.export.export(model, args)
+    assert _custom_ops(ep) == []
+    with torch.no_grad():
+        exact = ref.double()(*args)
+        assert_rel_close(ep.module()(*args), exact, torch.bfloat16, factor=4)
+        assert_rel_close(model(*args), exact, torch.bfloat16, factor=4)
