@@ -84,14 +84,20 @@ def test_onnx_export_runs_in_onnxruntime(make, tmp_path):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     ref, model, args = _converted(make)
-    program = torch.onnx.export(model, args, dynamo=True, verbose=False)
+    batch = torch.export.Dim("batch", max=8)
+    if make is _gpt2:  # dynamic batch and sequence length; run at another shape than traced
+        dynamic, other = ({0: batch, 1: torch.export.Dim("seq", max=16)},), (torch.randint(0, 64, (3, 11)),)
+    else:
+        dynamic, other = ({0: batch},), (torch.randn(3, 3, 32, 32),)
+    program = torch.onnx.export(model, args, dynamo=True, dynamic_shapes=dynamic, verbose=False)
     path = tmp_path / "model.onnx"
     program.save(str(path))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
-    (got,) = session.run(None, feeds)
-    with torch.no_grad():
-        assert_rel_close(torch.from_numpy(got), ref(*args), torch.float32, factor=10)
+    for inputs in (args, other):
+        feeds = {i.name: a.numpy() for i, a in zip(session.get_inputs(), inputs)}
+        (got,) = session.run(None, feeds)
+        with torch.no_grad():
+            assert_rel_close(torch.from_numpy(got), ref(*inputs), torch.float32, factor=10)
 
 
 @pytest.mark.gpu

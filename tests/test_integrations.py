@@ -81,3 +81,20 @@ def test_timm_apply():
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert_rel_close(model(x), ref(x), torch.float32)
+
+
+def test_apply_after_accelerate_prepare_trains_the_prepared_parameters():
+    accelerate = pytest.importorskip("accelerate")
+    from ampkernels.integrations import transformers as ak_hf
+    model = _gpt2().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, opt)
+    report = ak_hf.apply(model)  # after prepare: the optimizer's Parameters are the converted modules'
+    fused = accelerator.unwrap_model(model).transformer.h[0].mlp.c_fc
+    assert type(fused).__name__ == "Conv1DAct" and len(report.replaced) == 7
+    before = fused.weight.detach().clone()
+    ids = torch.randint(0, V, (2, 12))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    assert not torch.equal(fused.weight, before)
