@@ -157,13 +157,17 @@ def test_unfusable_mlps_are_reported():
     neox.act = torch.nn.Tanh()
     bloom = BloomMLP(BloomConfig(hidden_size=16))
     seq = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.GELU(), torch.nn.Linear(32, 16))
-    model = torch.nn.ModuleDict({"neox": neox, "bloom": bloom, "seq": seq})
+    from transformers.models.phi.modeling_phi import PhiMLP
+    phi = PhiMLP(T.PhiConfig(hidden_size=16, intermediate_size=32, hidden_act="gelu_new"))
+    phi.fc1.weight = torch.nn.Parameter(torch.zeros(32, 16, dtype=torch.int8), requires_grad=False)  # quantized
+    model = torch.nn.ModuleDict({"neox": neox, "bloom": bloom, "seq": seq, "phi": phi})
     _, report = aknn.convert(model, norms=False)
     assert report.replaced == []
     assert [(k.path, k.reason) for k in report.skipped] == [
         ("neox", "activation act is torch.nn.modules.activation.Tanh: no fused equivalent"),
         ("bloom", "activation gelu_impl is transformers.models.bloom.modeling_bloom.BloomGelu: no fused equivalent"),
-        ("seq.0", "Dropout(p=0.1) between 0 and the activation 2: not fused")]
+        ("seq.0", "Dropout(p=0.1) between 0 and the activation 2: not fused"),
+        ("phi", "fc1's weight is not a floating-point tensor (quantized?): no fused op for it")]
     assert "neox: transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXMLP (activation act is" in str(report)
 
 

@@ -391,6 +391,8 @@ def _fuse_hf_plain_mlp(mlp, proj_name, act_name, backend):
     is_conv1d = type(proj).__name__ == "Conv1D" and type(proj).__module__.startswith("transformers.")
     if not (isinstance(proj, torch.nn.Linear) or is_conv1d):
         return f"{proj_name} is {_qualified_name(type(proj))}: no fused op for it"
+    if not (isinstance(proj.weight, torch.Tensor) and proj.weight.is_floating_point()):
+        return f"{proj_name}'s weight is not a floating-point tensor (quantized?): no fused op for it"
     reason = _hooked(proj, act)
     if reason:
         return reason
