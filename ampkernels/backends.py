@@ -114,7 +114,12 @@ def select(op, backend, device, preference, unsupported=None):
     torch reference runs, and an explicit kernel request is an error naming the reason.
     A host-side decision: under torch.compile it runs once at trace time and its result
     is a constant of the graph.
+    Under torch.export every op takes the torch path, whatever was requested: an exported
+    program (and the ONNX made of it) holds plain aten ops that any runtime can run, not
+    custom ops that only this package's kernels implement.
     """
+    if torch.compiler.is_exporting():
+        return "torch"
     name, explicit = requested(backend)
     if name == "torch":
         return "torch"

@@ -1,11 +1,12 @@
 """Drop-in modules: the torch modules they replace, with ampkernels' forward.
 
     LayerNorm, RMSNorm      subclasses of torch.nn.LayerNorm / RMSNorm (same state_dict)
+    OffsetRMSNorm           RMSNorm scaled by (1 + weight), Gemma's
     Linear                  a torch.nn.Linear with a fused activation
     FusedMLP                a Sequential(Linear, activation, Linear) with a fused forward
     convert(model)          swaps norms and Linear->activation pairs in place, sharing weights
 """
 from .convert import ConvertReport, convert
-from .modules import FusedMLP, LayerNorm, Linear, RMSNorm
+from .modules import FusedMLP, LayerNorm, Linear, OffsetRMSNorm, RMSNorm
 
-__all__ = ["LayerNorm", "RMSNorm", "Linear", "FusedMLP", "convert", "ConvertReport"]
+__all__ = ["LayerNorm", "RMSNorm", "OffsetRMSNorm", "Linear", "FusedMLP", "convert", "ConvertReport"]

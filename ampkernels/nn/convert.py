@@ -3,13 +3,20 @@
 Recognised (anything else is left untouched):
 - Norms: torch.nn.LayerNorm / torch.nn.RMSNorm and their subclasses (timm's LayerNorm,
   LayerNormFp32, ...) -> ampkernels.nn.LayerNorm / RMSNorm; Hugging Face LlamaRMSNorm-style
-  modules (weight + variance_epsilon) and timm's RmsNorm / RmsNormFp32 -> RMSNorm.
+  modules (weight + variance_epsilon), T5LayerNorm and its copies, and timm's RmsNorm /
+  RmsNormFp32 -> RMSNorm; Gemma's RMSNorm (normalize(x) * (1 + weight), eps) -> OffsetRMSNorm,
+  which keeps the raw weight as its Parameter.
 - In an nn.Sequential: a torch.nn.Linear directly followed by a known activation module
   -> ampkernels.nn.Linear(activation=...) and the activation slot -> nn.Identity.
 - Hugging Face MLPs whose forward applies the activation straight to one projection:
   BertIntermediate (dense -> intermediate_act_fn), BertPredictionHeadTransform, GPT2MLP (c_fc -> act; Conv1D weights are
   used transposed, no copy), LLaMA-style MLPs (gate_proj -> act_fn). The projection
   becomes fused and the activation attribute becomes nn.Identity.
+- Hugging Face MLPs without a gate (T5DenseActDense and its copies, GPT-NeoX, Falcon, Phi,
+  CodeGen, GPT-J, GPT-Neo; _HF_PLAIN_MLPS): projection (nn.Linear, a subclass such as FalconLinear,
+  or Conv1D) + activation fused once the probe shows the whole MLP unchanged; an activation with
+  no fused equivalent (BLOOM's BloomGelu, a Tanh) is reported. In an nn.Sequential, a Dropout
+  between a Linear and its activation is reported (not fused).
 - timm's Mlp and subclasses (fc1 -> act -> drop1 -> norm -> fc2): fc1 + act -> ampkernels.nn.Linear(activation=...),
   act -> nn.Identity (drop1 and norm come after the activation and stay as they are).
 
@@ -31,7 +38,7 @@ import dataclasses
 import torch
 
 from ..ops.linear_act import linear_act
-from .modules import LayerNorm, Linear, RMSNorm
+from .modules import LayerNorm, Linear, OffsetRMSNorm, RMSNorm
 
 
 def activation_name(module):
@@ -169,15 +176,49 @@ def _is_timm_rms_norm(m):
         hasattr(m, "eps") and hasattr(m, "normalized_shape") and len(list(m.children())) == 0
 
 
+def _new_offset_rms_norm(old, backend, out_dtype):
+    new = OffsetRMSNorm(tuple(old.weight.shape), _norm_eps(old), device="meta", backend=backend, out_dtype=out_dtype)
+    new.weight = old.weight
+    return new
+
+
+def _norm_eps(m):
+    eps = getattr(m, "eps", None)
+    return m.variance_epsilon if eps is None and hasattr(m, "variance_epsilon") else eps
+
+
+def _is_hf_weight_only_norm(m, suffixes, eps_attr):
+    return type(m).__module__.startswith("transformers.") and type(m).__name__.endswith(suffixes) and \
+        isinstance(getattr(m, eps_attr, None), float) and isinstance(getattr(m, "weight", None), torch.nn.Parameter) \
+        and m.weight.dim() == 1 and getattr(m, "bias", None) is None and len(list(m.children())) == 0
+
+
+def _hf_norm_builders(m):
+    """Candidate builders for Hugging Face weight-only norms the probe then decides between:
+    T5LayerNorm and its copies (RMS without mean, fp32 variance, variance_epsilon) -> RMSNorm;
+    RMSNorms with an `eps` attribute: Gemma's (normalize(x) * (1 + weight)) -> OffsetRMSNorm,
+    or a plain one -> RMSNorm."""
+    if _is_hf_weight_only_norm(m, ("LayerNorm",), "variance_epsilon"):
+        return (_new_rms_norm,)
+    if _is_hf_weight_only_norm(m, ("RMSNorm",), "eps") and not hasattr(m, "variance_epsilon"):
+        return (_new_rms_norm, _new_offset_rms_norm)
+    return ()
+
+
+def _norm_builders(m):
+    """How to build the ampkernels norm for `m`: candidates in the order the probe tries them, () if none."""
+    if isinstance(m, (LayerNorm, RMSNorm)):
+        return ()  # converted already
+    if isinstance(m, torch.nn.LayerNorm):
+        return (_new_layer_norm,)
+    if isinstance(m, torch.nn.RMSNorm) or _is_hf_rms_norm(m) or _is_timm_rms_norm(m):
+        return (_new_rms_norm,)
+    return _hf_norm_builders(m)
+
+
 def _norm_builder(m):
     """How to build the ampkernels norm for `m`, or None if `m` is no norm convert knows."""
-    if isinstance(m, (LayerNorm, RMSNorm)):
-        return None  # converted already
-    if isinstance(m, torch.nn.LayerNorm):
-        return _new_layer_norm
-    if isinstance(m, torch.nn.RMSNorm) or _is_hf_rms_norm(m) or _is_timm_rms_norm(m):
-        return _new_rms_norm
-    return None
+    return next(iter(_norm_builders(m)), None)
 
 
 def _hooked(*modules):
@@ -275,14 +316,21 @@ def _probe_raised(ref, x, e):
 
 
 def _swap_norm(child, backend, out_dtype):
-    """The ampkernels norm for `child` (sharing its parameters), or the reason to leave it."""
-    build = _norm_builder(child)
-    reason = _hooked(child) or probe(child, lambda m: build(m, backend, None), tuple(child.normalized_shape)
-                                     if hasattr(child, "normalized_shape") else tuple(child.weight.shape))
-    by_construction = type(child).forward in (torch.nn.LayerNorm.forward, torch.nn.RMSNorm.forward)  # torch's own
-    if reason and not (by_construction and reason.startswith("parameters on the meta device")):
-        return reason
-    return build(child, backend, out_dtype)
+    """The ampkernels norm for `child` (sharing its parameters), or the reason to leave it: the
+    first candidate builder the probe proves equal."""
+    reasons = []
+    for build in _norm_builders(child):
+        reason = _hooked(child) or probe(child, lambda m: build(m, backend, None), tuple(child.normalized_shape)
+                                         if hasattr(child, "normalized_shape") else tuple(child.weight.shape))
+        by_construction = type(child).forward in (torch.nn.LayerNorm.forward, torch.nn.RMSNorm.forward)  # torch's
+        if not reason or (by_construction and reason.startswith("parameters on the meta device")):
+            return build(child, backend, out_dtype)
+        if not reason.startswith("probe: forward differs"):
+            return reason  # hooks, meta parameters, a forward that raised: the same for every candidate
+        reasons.append(reason)
+    if len(reasons) > 1:
+        return "; ".join(f"as {n}: {r}" for n, r in zip(("RMSNorm", "RMSNorm * (1 + weight)"), reasons))
+    return reasons[0]
 
 
 # Hugging Face MLP classes: (class name, projection attribute, activation attribute)
@@ -306,6 +354,74 @@ def _fuse_projection(proj, act, backend):
     if type(proj).__name__ == "Conv1D" and type(proj).__module__.startswith("transformers."):
         return Conv1DAct(proj, activation, backend)
     return None
+
+
+# Hugging Face MLPs with no gate whose forward applies the activation straight to one projection:
+# class name -> (projection attribute, activation attribute). Fused only after the probe shows
+# the whole MLP computes the same (what follows the activation, dropout or not, stays as it is).
+_HF_PLAIN_MLPS = {
+    "T5DenseActDense": ("wi", "act"), "MT5DenseActDense": ("wi", "act"), "LongT5DenseActDense": ("wi", "act"),
+    "UMT5DenseActDense": ("wi", "act"),
+    "GPTNeoXMLP": ("dense_h_to_4h", "act"), "FalconMLP": ("dense_h_to_4h", "act"), "BloomMLP": ("dense_h_to_4h",
+                                                                                                 "gelu_impl"),
+    "PhiMLP": ("fc1", "activation_fn"), "CodeGenMLP": ("fc_in", "act"), "GPTJMLP": ("fc_in", "act"),
+    "GPTNeoMLP": ("c_fc", "act"),
+}
+
+
+def _hf_plain_mlp(m):
+    """(projection attribute, activation attribute) if `m` is one of _HF_PLAIN_MLPS, else None."""
+    if not type(m).__module__.startswith("transformers."):
+        return None
+    return _HF_PLAIN_MLPS.get(type(m).__name__)
+
+
+def _projection_input_features(proj):
+    return proj.in_features if isinstance(proj, torch.nn.Linear) else proj.weight.shape[0]  # Conv1D: (in, out)
+
+
+def _fuse_hf_plain_mlp(mlp, proj_name, act_name, backend):
+    """Fuse the projection + activation of a Hugging Face MLP in place (returns the new projection)
+    or return the reason not to (a str). nn.Linear subclasses (FalconLinear) and Conv1D are
+    taken when the probe shows the MLP's output unchanged."""
+    proj, act = getattr(mlp, proj_name), getattr(mlp, act_name)
+    activation = activation_name(act)
+    if activation is None:
+        return f"activation {act_name} is {_qualified_name(type(act))}: no fused equivalent"
+    is_conv1d = type(proj).__name__ == "Conv1D" and type(proj).__module__.startswith("transformers.")
+    if not (isinstance(proj, torch.nn.Linear) or is_conv1d):
+        return f"{proj_name} is {_qualified_name(type(proj))}: no fused op for it"
+    if not (isinstance(proj.weight, torch.Tensor) and proj.weight.is_floating_point()):
+        return f"{proj_name}'s weight is not a floating-point tensor (quantized?): no fused op for it"
+    reason = _hooked(proj, act)
+    if reason:
+        return reason
+
+    def fused(m):
+        p = getattr(m, proj_name)
+        return Conv1DAct(p, activation, backend) if is_conv1d else _new_linear(p, activation, backend)
+
+    def swap(m):
+        setattr(m, proj_name, fused(m))
+        setattr(m, act_name, torch.nn.Identity())
+        return m
+    reason = probe(mlp, swap, (_projection_input_features(proj),))
+    if reason:
+        return reason
+    swap(mlp)
+    return getattr(mlp, proj_name)
+
+
+def _sequential_left_alone(seq):
+    """(child name, reason) for Linear -> Dropout -> known activation in an nn.Sequential: the dropout
+    sits between the matmul and the activation, where no fused op has room for it."""
+    names = list(seq._modules)
+    out = []
+    for a, b, c in zip(names, names[1:], names[2:]):
+        lin, drop, act = seq._modules[a], seq._modules[b], seq._modules[c]
+        if type(lin) is torch.nn.Linear and isinstance(drop, torch.nn.Dropout) and activation_name(act):
+            out.append((a, f"Dropout(p={drop.p}) between {a} and the activation {c}: not fused"))
+    return out
 
 
 def _timm_mlp_kind(m):
@@ -386,6 +502,17 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
                 setattr(parent, mlp[1], new)
                 setattr(parent, mlp[2], torch.nn.Identity())
                 report.add(prefix + mlp[1], proj, new)
+        if linears and type(parent) is torch.nn.Sequential:
+            for name, reason in _sequential_left_alone(parent):
+                report.skip(prefix + name, parent._modules[name], reason)
+        plain = _hf_plain_mlp(parent) if linears else None
+        if plain:
+            old = getattr(parent, plain[0])
+            new = _fuse_hf_plain_mlp(parent, *plain, backend)
+            if isinstance(new, str):
+                report.skip(path, parent, new)
+            else:
+                report.add(prefix + plain[0], old, new)
         kind = _timm_mlp_kind(parent) if linears else None
         if kind == "gated":
             report.skip(path, parent, "gated MLP: no fused op yet")
@@ -398,7 +525,7 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
                 report.add(prefix + "fc1", old, new)
         if norms:
             for name, child in list(parent.named_children()):
-                if _norm_builder(child) is None:
+                if not _norm_builders(child):
                     continue
                 new = _swap_norm(child, backend, norm_out_dtype)
                 if isinstance(new, str):

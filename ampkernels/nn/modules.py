@@ -52,6 +52,31 @@ class RMSNorm(torch.nn.RMSNorm):
                         out_dtype=_resolve_out_dtype(self.out_dtype, x), backend=self.backend)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm whose scale is (offset + weight), the stored weight raw: Gemma's RMSNorm
+    (normalize(x) * (1 + weight), weight initialised to zeros). The Parameter and its
+    state_dict key are the original module's; offset + weight is formed in fp32 on each call
+    (one (H,) op), as Gemma computes it, so a bf16 weight loses nothing to the +1."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *, offset=1.0,
+                 backend=None, out_dtype=None):
+        self.offset = float(offset)
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, backend=backend,
+                         out_dtype=out_dtype)
+
+    def reset_parameters(self):
+        if self.elementwise_affine:
+            torch.nn.init.constant_(self.weight, 1.0 - self.offset)  # a scale of one, as RMSNorm's
+
+    def forward(self, x):
+        w = None if self.weight is None else self.weight.float() + self.offset
+        return rms_norm(x, self.normalized_shape, w, self.eps, out_dtype=_resolve_out_dtype(self.out_dtype, x),
+                        backend=self.backend)
+
+    def extra_repr(self):
+        return super().extra_repr() + f", offset={self.offset}"
+
+
 class Linear(torch.nn.Linear):
     """torch.nn.Linear followed by a fused activation: act(x @ weight.T + bias).
 

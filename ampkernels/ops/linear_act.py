@@ -344,6 +344,8 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
                                             (bias is not None and bias.requires_grad))
     name = _choose(backend, device, x.dtype, activation, shape_bucket(m, n, k), training, unsupported)
+    if recompute and torch.compiler.is_exporting():
+        recompute = False  # a memory option of training; the exported graph gets F.linear + the activation
     if name != "torch" or recompute:  # the kernels take contiguous tensors; F.linear any strides
         x2, weight = x2.contiguous(), weight.contiguous()
         bias = None if bias is None else bias.contiguous()

@@ -1,0 +1,35 @@
+"""Hugging Face transformers: `apply(model)` converts a model in place; `ConvertCallback` does it
+from inside a Trainer when training begins.
+
+convert() shares the Parameter objects, so apply() may run before or after an optimizer,
+Trainer, accelerate.prepare or DDP is set up: what they hold keeps pointing at the same tensors,
+and state_dict / save_pretrained keys are unchanged (a converted model's checkpoint loads into
+an unconverted one).
+"""
+from transformers import TrainerCallback
+
+from . import convert_wrapped
+
+
+def apply(model, **convert_kwargs):
+    """Convert `model` (a transformers model, or any nn.Module; DDP and torch.compile wrappers
+    are looked through) in place; returns the ConvertReport. convert_kwargs: those of
+    ampkernels.nn.convert (norms, linears, backend, norm_out_dtype, verbose)."""
+    return convert_wrapped(model, convert_kwargs)
+
+
+class ConvertCallback(TrainerCallback):
+    """Converts the Trainer's model at on_train_begin (after Trainer and accelerate have set it
+    up: the optimizer's parameters are the model's, unchanged). The report is `.report`."""
+
+    def __init__(self, **convert_kwargs):
+        self.convert_kwargs, self.report = convert_kwargs, None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ValueError("ConvertCallback: the Trainer passed no model to on_train_begin")
+        self.report = apply(model, **self.convert_kwargs)
+        return control
+
+
+__all__ = ["apply", "ConvertCallback"]
