@@ -3,9 +3,10 @@
     LayerNorm, RMSNorm      subclasses of torch.nn.LayerNorm / RMSNorm (same state_dict)
     Linear                  a torch.nn.Linear with a fused activation
     FusedMLP                a Sequential(Linear, activation, Linear) with a fused forward
+    LinearCrossEntropy      an nn.Linear LM head whose forward(x, target) is the loss (no logits)
     convert(model)          swaps norms and Linear->activation pairs in place, sharing weights
 """
 from .convert import ConvertReport, convert
-from .modules import FusedMLP, LayerNorm, Linear, RMSNorm
+from .modules import FusedMLP, LayerNorm, Linear, LinearCrossEntropy, RMSNorm
 
-__all__ = ["LayerNorm", "RMSNorm", "Linear", "FusedMLP", "convert", "ConvertReport"]
+__all__ = ["LayerNorm", "RMSNorm", "Linear", "FusedMLP", "LinearCrossEntropy", "convert", "ConvertReport"]
