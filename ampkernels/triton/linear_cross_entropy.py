@@ -73,12 +73,13 @@ def _lce_rows_kernel(z_ptr, t_ptr, loss_ptr, scale_ptr, V, ignore_index, eps, SC
                 tl.store(z_row + cols, tl.zeros([BLOCK], z_ptr.dtype.element_ty), mask=cols < V)
 
 
-def block_size(v):
-    """Lanes per step: 16 elements per thread at 8 warps for long rows (16-byte vectors, four
-    fp32 accumulators each), fewer for short rows."""
+def block_size(v, smooth):
+    """Lanes per step: 16 elements per thread at 8 warps for long rows (16-byte vectors; two
+    fp32 accumulators each), 8 with label smoothing (a third accumulator: at 16 ptxas spilled,
+    scripts/triton_compile_check.py -v), fewer for short rows."""
     if _INTERPRET:
         return min(256, max(16, triton.next_power_of_2(v)))
-    return min(4096, max(128, triton.next_power_of_2(v)))
+    return min(2048 if smooth else 4096, max(128, triton.next_power_of_2(v)))
 
 
 def rows_pass(z, target, loss, scale, ignore_index, eps, write_grad):
@@ -88,7 +89,7 @@ def rows_pass(z, target, loss, scale, ignore_index, eps, write_grad):
     if n == 0:
         return
     assert z.is_contiguous() and target.is_contiguous() and loss.is_contiguous()
-    BLOCK = block_size(v)
+    BLOCK = block_size(v, eps != 0.0)
     with on_device(z):
         launch(_lce_rows_kernel, (n,), z, target, loss, scale, v, ignore_index, float(eps),
                SCALE_PER_ROW=scale.numel() > 1, WRITE_GRAD=write_grad, SMOOTH=eps != 0.0, BLOCK=BLOCK,
