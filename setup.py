@@ -57,7 +57,8 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     # csrc/ travels inside the package so that the first-use build finds it
-    packages=["ampkernels", "ampkernels.ops", "ampkernels.triton", "ampkernels.nn", "ampkernels.bench", "ampkernels.integrations",
+    packages=["ampkernels", "ampkernels.ops", "ampkernels.triton", "ampkernels.nn", "ampkernels.bench",
+              "ampkernels.integrations",
               "ampkernels.csrc"],
     package_dir={"ampkernels.csrc": "csrc"},
     package_data={"ampkernels.csrc": ["*.cu", "*.cpp", "*.h", "*.cuh"]},
