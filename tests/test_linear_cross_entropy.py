@@ -496,3 +496,23 @@ def test_gpu_compile_fullgraph(backend):
 def test_gpu_opcheck():
     for backend in ("cuda", "triton", "torch"):
         _opcheck(backend, torch.bfloat16, "cuda")
+
+
+def test_benchmark_report():
+    from ampkernels.bench import bench_linear_cross_entropy as bl
+    rows = [dict(op="linear_cross_entropy", provider=p, dtype="bfloat16", shape="T=8192,H=768,V=50257,w=fp32", ms=ms,
+                 peak_extra_MiB=mem, **{"pass": "fwd_bwd"}) for p, ms, mem in (("eager", 12.0, 4000), ("liger", 8.0, 900),
+                                                                                ("ampkernels_cuda", 6.0, 800))]
+    (line,) = bl.report(rows)
+    assert "eager 12.00 ms, 4000 MiB" in line and "ampkernels_cuda 6.00 ms (2.00x), 800 MiB (20%)" in line, line
+
+
+@pytest.mark.gpu
+def test_gpu_benchmark_runs(monkeypatch, tmp_path):
+    from ampkernels.bench import bench_linear_cross_entropy as bl
+    from ampkernels.bench.common import Recorder
+    rec = Recorder(str(tmp_path))
+    bl.run(rec, [torch.bfloat16], quick=True, shapes=[(512, 64, 1003)])
+    assert "error" not in {r["provider"] for r in rec.rows}, [r for r in rec.rows if r["provider"] == "error"]
+    assert {"eager", "compile", "ampkernels_cuda", "ampkernels_triton"} <= {r["provider"] for r in rec.rows}
+    assert bl.report(rec.rows)
