@@ -326,12 +326,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if reduction == "mean":
                 # all tokens ignored: the gradients are zeros (as torch's), not 0 * inf
                 factor = factor / _n_valid(target, ignore_index, factor.dtype).clamp_min(1)
+            wdt, bdt = ctx.dtypes
             if need_dx:
                 dx.mul_(factor)
-            if need_dw:
-                dw.mul_(factor)
+            if need_dw:  # 16-bit weights: scaled and rounded in one pass over the fp32 accumulator
+                dw = dw.mul_(factor) if wdt == dw.dtype else torch.mul(dw, factor, out=torch.empty_like(dw, dtype=wdt))
             if need_db:
-                db.mul_(factor)
+                db = db.mul_(factor) if bdt == db.dtype else torch.mul(db, factor, out=torch.empty_like(db, dtype=bdt))
         wdt, bdt = ctx.dtypes
         return (dx if need_dx else None, dw.to(wdt) if need_dw else None, db.to(bdt) if need_db else None,
                 None, None, None, None, None, None)
