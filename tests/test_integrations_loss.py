@@ -147,3 +147,26 @@ def test_refuses_non_linear_head_and_hooks():
         fuse_causal_lm_loss(model)
     with pytest.raises(ValueError, match="not a transformers PreTrainedModel"):
         fuse_causal_lm_loss(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gpu_autocast_training_matches(name, backend):
+    # fp32 master weights under bf16 autocast: the loss and gradients of the unpatched model
+    model, ref = _pair(name)
+    model.cuda()
+    ref.cuda()
+    fuse_causal_lm_loss(model, backend=backend)
+    ids, mask, labels = (a.cuda() for a in _batch(model, b=3, t=40))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(ids, attention_mask=mask, labels=labels)
+        want = ref(ids, attention_mask=mask, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, want.loss, rtol=2e-3, atol=2e-3)
+    out.loss.backward()
+    want.loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is not None:
+            err = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+            assert err < 2e-2, (n, err)
