@@ -207,3 +207,23 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh"):
     with torch.autocast(x.device.type, enabled=False):
         z = F.linear(x.to(ct), weight.to(ct), None if bias is None else bias.to(ct))
     return act_fwd(z, activation).to(x.dtype)
+
+
+def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, reduction="mean"):
+    """cross_entropy(x @ weight.T + bias, target) written out: the logits rounded to x.dtype
+    (as F.linear returns them), then log-softmax, the smoothed loss and the reduction in fp32
+    (float64 for float64); mean over the tokens whose target is not ignore_index (NaN if none).
+    Differentiable (autograd), for gradient references."""
+    ct = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        z = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype)).to(ct)
+    z = z.reshape(-1, z.shape[-1])
+    t = target.reshape(-1)
+    valid = t != ignore_index
+    logp = torch.log_softmax(z, -1)
+    nll = -logp.gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1)
+    per = (1 - label_smoothing) * nll - label_smoothing * logp.mean(-1) if label_smoothing else nll
+    per = torch.where(valid, per, torch.zeros((), dtype=ct))
+    if reduction == "none":
+        return per.reshape(target.shape)
+    return per.sum() if reduction == "sum" else per.sum() / valid.sum().to(ct)

@@ -191,6 +191,7 @@ def launch_everything(max_shared):
     from ampkernels.reference import ACTIVATIONS
     from ampkernels.triton import layer_norm as tln
     from ampkernels.triton import linear_act as tla
+    from ampkernels.triton import linear_cross_entropy as tlce
 
     tln._smem_per_program = lambda device: max_shared  # a meta device has no properties
 
@@ -198,6 +199,13 @@ def launch_everything(max_shared):
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device=meta)
     gelu = ACTIVATIONS.index("gelu")
     for dtype in (torch.bfloat16, torch.float16):
+        # linear_cross_entropy's row pass: long rows (4096 lanes, 8 warps) and short ones, with and
+        # without smoothing / gradient, one scale or one per row
+        t, loss = empty(64, dtype=torch.int64), empty(64, dtype=torch.float32)
+        for v, eps, grad, per_row in ((50257, 0.1, True, False), (128256, 0.0, True, True), (1000, 0.0, False, False),
+                                      (7, 0.1, True, True)):
+            tlce.rows_pass(empty(64, v, dtype=dtype), t, loss, empty(64 if per_row else 1, dtype=torch.float32),
+                           -100, eps, grad)
         # linear_act, every autotune config: erf GELU with bias and pre stored (the heaviest epilogue)
         x, w, bias, y = empty(256, 512, dtype=dtype), empty(384, 512, dtype=dtype), empty(384, dtype=dtype), \
             empty(256, 384, dtype=dtype)

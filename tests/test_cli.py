@@ -58,7 +58,7 @@ def test_bench_cpu_demo(tmp_path):
     assert "NO GPU" in proc.stdout and "match the float64 reference" in proc.stdout
     assert "public providers: " in proc.stdout  # whatever discovery found (in CI: none), the demo ran
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert {r["op"] for r in rows} == {"layer_norm", "rms_norm", "linear_act"}
+    assert {r["op"] for r in rows} == {"layer_norm", "rms_norm", "linear_act", "linear_cross_entropy"}
     assert all(r["gpu"] == "cpu" and r["value"] > 0 for r in rows)
     with open(tmp_path / "results.csv", newline="") as f:  # the same rows as CSV, fixed columns first
         table = list(csv.DictReader(f))

@@ -1,4 +1,4 @@
-"""Randomised cases, each against float64: the norms, linear_act and the fused MLP.
+"""Randomised cases, each against float64: the norms, linear_act, the fused MLP and linear_cross_entropy.
 
 Each test draws its cases in a loop from a seeded generator (tests.conftest.input_seed of the
 test's id and the case index): dtypes drawn independently (the norms: x, residual and
@@ -358,6 +358,95 @@ def test_fused_mlp_triton_interpreter(request, chunk):
 def test_linear_act_and_mlp_torch_backend(request):
     run_cases(request, 30, lambda rng, gen, p: linear_act_case(rng, gen, p, "torch", "cpu", (torch.float32,)))
     run_cases(request, 15, lambda rng, gen, p: mlp_case(rng, gen, p, "torch", "cpu", (torch.float32,)), "mlp")
+
+
+# ---------------------------------------------------------------- linear_cross_entropy
+
+LCE_TRITON_VOCABS = (7, 1000, 5003, 50257)  # Triton compiles once per lane count: a fixed palette
+
+
+def lce_case(rng, gen, params, backend, device, dtypes, vocabs=None):
+    """One linear_cross_entropy call against float64 autograd: drawn dtype (16-bit, or fp32
+    master weights under autocast), tokens, hidden, vocab, bias, reduction, smoothing,
+    ignore_index and its share (all ignored too), x's layout, the chunk size (several chunks)."""
+    from ampkernels.ops import linear_cross_entropy as lce
+    dtype = rng.choice(dtypes)
+    master = device == "cuda" and rng.random() < 0.4
+    m = rng.choice([1, 2, rng.randint(1, 64), rng.randint(1, 400)])
+    k = rng.choice([rng.randint(1, 24), rng.randint(8, 160), 8 * rng.randint(1, 24)])
+    v = rng.choice(vocabs) if vocabs else rng.choice([2, rng.randint(2, 300), rng.randint(300, 6000), 50257])
+    lead = rng.choice([(), (), (rng.randint(1, 3),)])
+    bias = rng.random() < 0.5
+    reduction = rng.choice(lce.REDUCTIONS)
+    smoothing = rng.choice([0.0, 0.0, round(rng.uniform(0.01, 0.5), 3)])
+    ignore_index = rng.choice([-100, -100, 0])
+    ignore_share = rng.choice([0.0, 0.2, 0.7, 1.0])
+    layout = rng.choice(("contiguous", "contiguous", "offset", "strided"))
+    chunk_floor = rng.choice([lce._CHUNK_MIN_ELEMS, rng.randint(1, 4 * v)])
+    params.update(backend=backend, dtype=str(dtype), master=master, m=m, k=k, v=v, lead=lead, bias=bias,
+                  reduction=reduction, smoothing=smoothing, ignore_index=ignore_index, ignore_share=ignore_share,
+                  layout=layout, chunk_floor=chunk_floor)
+    pdt = torch.float32 if master else dtype
+    x = tensor((*lead, m, k), torch.float32 if master else dtype, device, gen, layout).requires_grad_()
+    w = tensor((v, k), pdt, device, gen, scale=rng.uniform(0.5, 3) / k ** 0.5).requires_grad_()
+    b = tensor((v,), pdt, device, gen, scale=0.5).requires_grad_() if bias else None
+    t = torch.randint(0, v, (*lead, m), generator=gen)
+    t[torch.rand(t.shape, generator=gen) < ignore_share] = ignore_index
+    t = t.to(device)
+    inputs = [a for a in (x, w, b, t) if a is not None]
+    before = [a.detach().clone() for a in inputs]
+    saved, lce._CHUNK_MIN_ELEMS = lce._CHUNK_MIN_ELEMS, chunk_floor
+    try:
+        with torch.autocast(device, dtype=dtype, enabled=master):
+            loss = ampkernels.linear_cross_entropy(x, w, t, b, ignore_index=ignore_index, label_smoothing=smoothing,
+                                                   reduction=reduction, backend=backend)
+        dloss = (torch.rand(loss.shape, generator=gen) + 0.5).to(device)
+        loss.backward(dloss)
+    finally:
+        lce._CHUNK_MIN_ELEMS = saved
+    leaves = [a for a in (x, w, b) if a is not None]
+    d64 = [a.detach().double().requires_grad_() for a in leaves]
+    ref = reference.linear_cross_entropy(d64[0], d64[1], t, d64[2] if bias else None, ignore_index=ignore_index,
+                                         label_smoothing=smoothing, reduction=reduction)
+    ref.backward(dloss.double())
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    valid = int((t != ignore_index).sum())
+    if reduction == "mean" and valid == 0:
+        assert torch.isnan(loss) and all(torch.equal(a.grad, torch.zeros_like(a)) for a in leaves)
+    else:
+        tol = TOL[dtype] * 2
+        for name, ours, want in (("loss", loss, ref), *((f"d{n}", a.grad, r.grad) for n, a, r in
+                                                          zip(("x", "w", "b"), leaves, d64))):
+            if want.abs().max() == 0:
+                assert torch.equal(ours, torch.zeros_like(ours)), name
+                continue
+            err = rel_err(ours, want)
+            assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
+    for a in leaves:
+        assert a.grad.dtype == a.dtype
+    _assert_unmodified(inputs, before)
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_gpu_cuda(request):
+    run_cases(request, 300, lambda rng, gen, p: lce_case(rng, gen, p, "cuda", "cuda", (torch.float16, torch.bfloat16)))
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_gpu_triton(request):
+    run_cases(request, 150, lambda rng, gen, p: lce_case(rng, gen, p, "triton", "cuda",
+                                                         (torch.float16, torch.bfloat16), LCE_TRITON_VOCABS))
+
+
+@needs_triton
+@cpu_only
+def test_linear_cross_entropy_triton_interpreter(request):
+    run_cases(request, 12, lambda rng, gen, p: lce_case(rng, gen, p, "triton", "cpu", (torch.float16,), (7, 300)))
+
+
+def test_linear_cross_entropy_torch_backend(request):
+    run_cases(request, 40, lambda rng, gen, p: lce_case(rng, gen, p, "torch", "cpu", (torch.float32, torch.bfloat16),
+                                                        (2, 7, 300, 1001)))
 
 
 def test_fuzz_reports_the_failing_case(request, monkeypatch):

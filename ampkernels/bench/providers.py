@@ -7,6 +7,7 @@ adapter only puts the library's public API behind one calling convention per op:
 
   layer_norm, rms_norm   fn(x, weight, bias, eps) -> y over the last dim (bias None for rms_norm)
   linear_act             fn(x, weight, bias, activation) -> act(x @ weight.T + bias)
+  linear_cross_entropy   fn(x, weight, target, bias) -> mean cross_entropy(x @ weight.T + bias, target)
 
 Versions checked against the sources: liger-kernel 0.8.5 (torch>=2.1.2, triton>=2.3.1),
 quack-kernels 0.6.5, apex (fused_layer_norm_cuda, fused_dense_cuda), flash-attn 2.x.
@@ -82,11 +83,25 @@ def liger():
     import liger_kernel
     from liger_kernel.transformers.functional import liger_layer_norm, liger_rms_norm
 
-    return Provider("liger", _version(liger_kernel, "liger_kernel", "liger-kernel"), {
+    ops = {
         "layer_norm": Impl(lambda x, w, b, eps: liger_layer_norm(x, w, b, eps)),
         # in_place=False: by default its backward writes dx into dy, and a benchmark replays one dy
         "rms_norm": Impl(lambda x, w, b, eps: liger_rms_norm(x, w, eps, in_place=False)),
-    })
+    }
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        pass
+    else:
+        flce = LigerFusedLinearCrossEntropyLoss()  # mean over non-ignored tokens, ignore_index -100
+
+        def linear_cross_entropy(x, w, t, b):
+            out = flce(w, x, t, b)  # its argument order: (lin_weight, input, target, bias)
+            out = out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
+            return out
+
+        ops["linear_cross_entropy"] = Impl(linear_cross_entropy)
+    return Provider("liger", _version(liger_kernel, "liger_kernel", "liger-kernel"), ops)
 
 
 @_adapter("quack")

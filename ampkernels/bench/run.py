@@ -24,7 +24,8 @@ from . import providers
 from .common import Recorder, bench, environment
 
 MODULES = {"layer_norm": "bench_layer_norm", "rms_norm": "bench_layer_norm", "linear_act": "bench_linear_act",
-           "mlp": "bench_mlp", "e2e": "bench_e2e", "host": "bench_host"}
+           "linear_cross_entropy": "bench_linear_cross_entropy", "mlp": "bench_mlp", "e2e": "bench_e2e",
+           "host": "bench_host"}
 # ops with a CPU version of their own (without a GPU, the others share cpu_demo)
 CPU_OWN = ("e2e", "host")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -41,6 +42,7 @@ def cpu_demo(recorder):
     x = torch.randn(2048, 1024)
     w, b = torch.randn(1024) * 0.1 + 1, torch.randn(1024) * 0.1
     lin_x, lin_w, lin_b = torch.randn(512, 1024), torch.randn(2048, 1024) * 0.03, torch.randn(2048) * 0.1
+    target = torch.randint(0, 2048, (512,))
     cases = {
         "layer_norm": (lambda: ampkernels.layer_norm(x, (1024,), w, b, backend="torch"),
                        lambda: torch.nn.functional.layer_norm(x, (1024,), w, b),
@@ -51,6 +53,10 @@ def cpu_demo(recorder):
         "linear_act": (lambda: ampkernels.linear_act(lin_x, lin_w, lin_b, "gelu_tanh", backend="torch"),
                        lambda: torch.nn.functional.gelu(torch.nn.functional.linear(lin_x, lin_w, lin_b), approximate="tanh"),
                        lambda: reference.linear_act(lin_x.double(), lin_w.double(), lin_b.double(), "gelu_tanh")),
+        "linear_cross_entropy": (
+            lambda: ampkernels.linear_cross_entropy(lin_x, lin_w, target, lin_b, backend="torch"),
+            lambda: torch.nn.functional.cross_entropy(torch.nn.functional.linear(lin_x, lin_w, lin_b), target),
+            lambda: reference.linear_cross_entropy(lin_x.double(), lin_w.double(), target, lin_b.double())),
     }
     ok = True
     for op, (ours, eager, ref) in cases.items():
@@ -69,7 +75,8 @@ def _shapes_for(module, specs):
     """--shapes parsed for one benchmark module: the specs of its form (N, MxKxN or TxH)."""
     if not specs:
         return None
-    dims = {"bench_layer_norm": 1, "bench_linear_act": 3, "bench_mlp": 2}.get(module)
+    dims = {"bench_layer_norm": 1, "bench_linear_act": 3, "bench_linear_cross_entropy": 3,
+            "bench_mlp": 2}.get(module)
     parsed = [tuple(int(d) for d in s.lower().split("x")) for s in specs]
     mine = [p for p in parsed if len(p) == dims]
     return [p[0] for p in mine] if dims == 1 else mine or None
@@ -84,7 +91,8 @@ def main(argv=None):
     p.add_argument("--plot", action="store_true", help="also draw PNG plots into --out (needs matplotlib)")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
                    help="instead of each op's default list: N for layer_norm/rms_norm (rows = 2^27 / N), "
-                        "MxKxN for linear_act, TxH (tokens x hidden) for mlp; e2e keeps its model")
+                        "MxKxN for linear_act, TxHxV for linear_cross_entropy, TxH (tokens x hidden) for mlp; "
+                        "e2e keeps its model")
     from . import bench_e2e
     bench_e2e.add_arguments(p)
     args = p.parse_args(argv)

@@ -7,7 +7,10 @@
     from ampkernels.integrations import timm as ak_timm
     report = ak_timm.apply(model)
 
-Both are ampkernels.nn.convert (same keyword arguments, same report). Importing
+    from ampkernels.integrations.loss import fuse_causal_lm_loss
+    fuse_causal_lm_loss(model)             # the LM head + loss without the logits (training)
+
+apply() is ampkernels.nn.convert (same keyword arguments, same report). Importing
 ampkernels.integrations.transformers imports transformers (for TrainerCallback); the timm one
 needs nothing of timm.
 """

@@ -4,9 +4,11 @@
     OffsetRMSNorm           RMSNorm scaled by (1 + weight), Gemma's
     Linear                  a torch.nn.Linear with a fused activation
     FusedMLP                a Sequential(Linear, activation, Linear) with a fused forward
+    LinearCrossEntropy      an nn.Linear LM head whose forward(x, target) is the loss (no logits)
     convert(model)          swaps norms and Linear->activation pairs in place, sharing weights
 """
 from .convert import ConvertReport, convert
-from .modules import FusedMLP, LayerNorm, Linear, OffsetRMSNorm, RMSNorm
+from .modules import FusedMLP, LayerNorm, Linear, LinearCrossEntropy, OffsetRMSNorm, RMSNorm
 
-__all__ = ["LayerNorm", "RMSNorm", "OffsetRMSNorm", "Linear", "FusedMLP", "convert", "ConvertReport"]
+__all__ = ["LayerNorm", "RMSNorm", "OffsetRMSNorm", "Linear", "FusedMLP", "LinearCrossEntropy", "convert",
+           "ConvertReport"]

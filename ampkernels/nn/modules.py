@@ -14,6 +14,7 @@ import torch
 from .. import reference
 from ..ops.layer_norm import layer_norm, rms_norm
 from ..ops.linear_act import linear_act
+from ..ops.linear_cross_entropy import REDUCTIONS, linear_cross_entropy
 from ..ops.mlp import fused_mlp
 
 
@@ -95,6 +96,29 @@ class Linear(torch.nn.Linear):
 
     def extra_repr(self):
         return super().extra_repr() + f", activation={self.activation!r}"
+
+
+class LinearCrossEntropy(torch.nn.Linear):
+    """An LM head and its loss in one: forward(x, target) = cross_entropy(x @ weight.T + bias,
+    target) without the (tokens, vocab) logits (ampkernels.linear_cross_entropy). Holds the
+    head's weight (out_features = vocab) and bias as nn.Linear does, same state_dict."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, ignore_index=-100,
+                 label_smoothing=0.0, reduction="mean", backend=None):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"LinearCrossEntropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.ignore_index, self.label_smoothing, self.reduction = ignore_index, label_smoothing, reduction
+        self.backend = backend
+
+    def forward(self, x, target):
+        return linear_cross_entropy(x, self.weight, target, self.bias, ignore_index=self.ignore_index,
+                                    label_smoothing=self.label_smoothing, reduction=self.reduction,
+                                    backend=self.backend)
+
+    def extra_repr(self):
+        return (super().extra_repr() + f", ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}"
+                f", reduction={self.reduction!r}")
 
 
 _ACTIVATION_MODULES = {

@@ -1,0 +1,444 @@
+"""linear_cross_entropy: cross_entropy(x @ weight.T + bias, target) without the full logits.
+
+    == F.cross_entropy(F.linear(x, weight, bias).float(), target, ignore_index=...,
+                       label_smoothing=..., reduction=...)
+
+The tokens run in chunks of rows; only one chunk's logits (rows x vocab, compute dtype) exist
+at a time. Per chunk: logits = x_c W^T (+ b) on cuBLAS, then ONE pass per row (the backend's
+kernel): the fp32 log-sum-exp over the 16-bit logits (online max/sum over blocks of the row),
+the row's loss (label smoothing, ignore_index), and -- when gradients are wanted -- the
+gradient softmax - (1-eps)*onehot - eps/V written in place over the logits; then
+dx_c = dlogits @ W and dW += dlogits^T @ x_c (accumulated in fp32), db += column sums (fp32).
+
+Training with reduction "mean"/"sum": the gradients are computed in the forward (3 GEMMs in
+all, none in backward) in "sum" units -- not divided by the number of valid tokens, so that
+fp16 gradients of 1/n-scaled probabilities do not underflow -- and backward scales them by
+grad_output (GradScaler's scale) / n_valid in place. reduction="none" (a gradient per token)
+computes the loss alone in the forward and recomputes the logits in backward (4 GEMMs), with
+the per-token scale applied inside the row pass. Inference computes the loss alone.
+
+Backends for the row pass: "cuda" (csrc/linear_cross_entropy.cu), "triton"
+(ampkernels/triton/linear_cross_entropy.py), "torch" (the same chunked algorithm in torch ops:
+the CPU path, fp32/fp64 inputs, the reference for dispatch). The GEMMs are torch's (cuBLAS) on
+every backend.
+
+Under torch.compile the op stays opaque (two custom ops): inductor would otherwise build the
+whole logits tensor.
+
+Pieces, in the order data meets them: chunked implementation -> custom ops (forward, backward)
+with fake implementations -> autograd Function (custom_fwd/custom_bwd) -> "auto" -> functional API.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import backends
+from .linear_act import eager_call
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+REDUCTIONS = ("mean", "sum", "none")
+
+# A chunk's logits hold max(tokens * hidden, _CHUNK_MIN_ELEMS) elements at most (x's own size,
+# or 256 MiB in bf16 when x is smaller): bounded whatever tokens x vocab is, and wide enough
+# that the weight-gradient GEMM (K = chunk rows) is not dominated by re-reading its fp32
+# accumulator (vocab x hidden x 4 bytes read and written once per chunk).
+_CHUNK_MIN_ELEMS = 1 << 27
+_ROW_ALIGN = 64
+
+
+def chunk_rows(m, k, v):
+    """Rows of one chunk: as even as the chunk count allows, a multiple of 64 (alignment of
+    the GEMMs' row offsets) where the chunk holds more than 64 rows."""
+    if m == 0:
+        return 1
+    cap = max(1, max(m * k, _CHUNK_MIN_ELEMS) // max(v, 1))
+    if cap >= m:
+        return m
+    n_chunks = -(-m // cap)
+    rows = -(-m // n_chunks)
+    if rows > _ROW_ALIGN:
+        rows = rows // _ROW_ALIGN * _ROW_ALIGN
+    return max(1, rows)
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------- the row pass
+
+def _rows_torch(z, target, loss, scale, ignore_index, eps, write_grad):
+    """The row pass in torch ops, a block of rows at a time (fp32 temporaries bounded)."""
+    from ..reference import row_blocks
+    ct = _acc_dtype(z.dtype)
+    v = z.shape[1]
+    for s, e in row_blocks(z):
+        zb = z[s:e].to(ct)
+        t = target[s:e]
+        valid = t != ignore_index
+        tc = torch.where(valid & (t >= 0) & (t < v), t, 0)
+        lse = torch.logsumexp(zb, -1)
+        zt = zb.gather(1, tc[:, None]).squeeze(1)
+        zt = torch.where((t >= 0) & (t < v), zt, float("nan"))  # a target out of range: a NaN loss
+        row = lse - (1.0 - eps) * zt
+        if eps:
+            row = row - (eps / v) * zb.sum(-1)
+        loss[s:e] = torch.where(valid, row, 0.0)
+        if write_grad:
+            g = torch.exp(zb - lse[:, None])
+            if eps:
+                g -= eps / v
+            g.scatter_add_(1, tc[:, None], torch.full_like(zt[:, None], -(1.0 - eps)))
+            sc = scale[s:e] if scale.numel() > 1 else scale
+            g *= sc.to(ct).reshape(-1, 1)
+            g.masked_fill_(~valid[:, None], 0.0)  # ignored rows: 0 whatever the scale (as torch)
+            z[s:e].copy_(g)
+
+
+def rows_pass(z, target, loss, scale, ignore_index, eps, write_grad, backend):
+    """Over each row of the logits chunk z (n, V): loss[i] = the row's cross-entropy (0 for an
+    ignored row) and, if write_grad, z[i] = scale * d loss[i] / d z[i] in place. scale: fp32,
+    (1,) or (n,)."""
+    if z.shape[0] == 0:
+        return
+    if backend == "cuda":
+        torch.ops.ampkernels.linear_cross_entropy_rows_cuda_(z, target, loss, scale, ignore_index, eps, write_grad)
+    elif backend == "triton":
+        from ..triton import linear_cross_entropy as tk
+        tk.rows_pass(z, target, loss, scale, ignore_index, eps, write_grad)
+    else:
+        _rows_torch(z, target, loss, scale, ignore_index, eps, write_grad)
+
+
+# ---------------------------------------------------------------- GEMM pieces
+
+_ADDMM_FP32_ACCUM = [hasattr(torch.ops.aten.addmm, "dtype_out")]  # turned off if this torch refuses it
+
+
+def _accumulate_wgrad(dw, dz, xc):
+    """dw (+)= dz^T @ xc with an fp32 (fp64 for fp64) accumulator: straight from cuBLAS for
+    16-bit dz on CUDA (addmm with out_dtype, beta=1, into dw), else by an upcast GEMM."""
+    ct = _acc_dtype(dz.dtype)
+    if dz.dtype in _KERNEL_DTYPES and dz.is_cuda:
+        if dw is None:
+            return torch.mm(dz.t(), xc, out_dtype=torch.float32)
+        if _ADDMM_FP32_ACCUM[0]:
+            try:
+                return torch.addmm(dw, dz.t(), xc, out_dtype=torch.float32, out=dw)
+            except RuntimeError:  # a torch whose addmm.dtype_out wants self in the inputs' dtype
+                _ADDMM_FP32_ACCUM[0] = False
+        return dw.add_(torch.mm(dz.t(), xc, out_dtype=torch.float32))
+    a, b = (dz, xc) if dz.dtype == ct else (dz.to(ct), xc.to(ct))
+    return a.t().mm(b) if dw is None else dw.addmm_(a.t(), b)
+
+
+def _logits(xc, weight, bias, out):
+    if bias is None:
+        return torch.mm(xc, weight.t(), out=out)
+    return torch.addmm(bias, xc, weight.t(), out=out)
+
+
+def _n_valid(target, ignore_index, dtype):
+    return (target != ignore_index).sum().to(dtype)
+
+
+def _reduce(losses, target, ignore_index, reduction):
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    return total if reduction == "sum" else total / _n_valid(target, ignore_index, total.dtype)
+
+
+def _empty(x):
+    return x.new_empty(0)
+
+
+# ---------------------------------------------------------------- forward custom op
+
+def fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
+             backend):
+    """(loss, dx, dw, db). The gradients (each an empty (0,) tensor unless asked for) are those
+    of the SUM of the per-token losses: dx in x's dtype, dw and db in fp32 (fp64 for fp64 x)."""
+    with torch.autocast(x.device.type, enabled=False):  # out= GEMMs; inputs already in the compute dtype
+        m, k = x.shape
+        v = weight.shape[0]
+        acc = _acc_dtype(x.dtype)
+        losses = torch.empty(m, dtype=acc, device=x.device)
+        want_grad = need_dx or need_dw or need_db
+        dx = torch.empty_like(x) if need_dx else _empty(x)
+        dw = None
+        db = torch.zeros(v, dtype=acc, device=x.device) if need_db else _empty(x)
+        rows = chunk_rows(m, k, v)
+        buf = x.new_empty(min(rows, m), v)
+        one = torch.ones(1, dtype=torch.float32, device=x.device)
+        for s in range(0, m, rows):
+            e = min(s + rows, m)
+            z = _logits(x[s:e], weight, bias, buf[:e - s])
+            rows_pass(z, target[s:e], losses[s:e], one, ignore_index, label_smoothing, want_grad, backend)
+            if need_dx:
+                torch.mm(z, weight, out=dx[s:e])
+            if need_dw:
+                dw = _accumulate_wgrad(dw, z, x[s:e])
+            if need_db:
+                db += z.sum(0, dtype=acc)
+        if need_dw and dw is None:  # no tokens
+            dw = torch.zeros(v, k, dtype=acc, device=x.device)
+        return _reduce(losses, target, ignore_index, reduction), dx, dw if need_dw else _empty(x), db
+
+
+@torch.library.custom_op("ampkernels::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+                             label_smoothing: float, reduction: str, need_dx: bool, need_dw: bool, need_db: bool,
+                             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, dx, dweight, dbias) for 2-D contiguous x (M, K), weight (V, K), target (M,); the
+    gradients are of the summed per-token losses (empty (0,) tensors when not needed); dweight
+    and dbias in fp32 (fp64 for fp64 x). loss: fp32 (fp64), () or (M,) for reduction "none"."""
+    return fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
+                    backend)
+
+
+@linear_cross_entropy_fwd.register_fake
+def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db, backend):
+    acc = _acc_dtype(x.dtype)
+    m, k, v = x.shape[0], x.shape[1], weight.shape[0]
+    loss = x.new_empty((m,) if reduction == "none" else (), dtype=acc)
+    return (loss, x.new_empty((m, k)) if need_dx else x.new_empty(0),
+            x.new_empty((v, k), dtype=acc) if need_dw else x.new_empty(0),
+            x.new_empty((v,), dtype=acc) if need_db else x.new_empty(0))
+
+
+# ---------------------------------------------------------------- backward custom op (recompute)
+
+def bwd_impl(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
+             backend):
+    """(dx, dw, db) with the logits recomputed chunk by chunk; dloss: () for mean/sum, (M,) for
+    "none". dw and db in fp32 (fp64 for fp64 x), dx in x's dtype."""
+    with torch.autocast(x.device.type, enabled=False):
+        m, k = x.shape
+        v = weight.shape[0]
+        acc = _acc_dtype(x.dtype)
+        sdt = torch.float64 if acc == torch.float64 else torch.float32
+        if reduction == "none":
+            scale = dloss.to(sdt).reshape(-1)
+        else:
+            scale = dloss.to(sdt).reshape(1)
+            if reduction == "mean":
+                scale = scale / _n_valid(target, ignore_index, sdt).clamp_min(1)
+        losses = torch.empty(min(chunk_rows(m, k, v), m), dtype=acc, device=x.device)  # written, unused
+        dx = torch.empty_like(x) if need_dx else _empty(x)
+        dw = None
+        db = torch.zeros(v, dtype=acc, device=x.device) if need_db else _empty(x)
+        rows = chunk_rows(m, k, v)
+        buf = x.new_empty(min(rows, m), v)
+        for s in range(0, m, rows):
+            e = min(s + rows, m)
+            z = _logits(x[s:e], weight, bias, buf[:e - s])
+            rows_pass(z, target[s:e], losses[:e - s], scale[s:e] if scale.numel() > 1 else scale, ignore_index,
+                      label_smoothing, True, backend)
+            if need_dx:
+                torch.mm(z, weight, out=dx[s:e])
+            if need_dw:
+                dw = _accumulate_wgrad(dw, z, x[s:e])
+            if need_db:
+                db += z.sum(0, dtype=acc)
+        if need_dw and dw is None:
+            dw = torch.zeros(v, k, dtype=acc, device=x.device)
+        return dx, dw if need_dw else _empty(x), db
+
+
+@torch.library.custom_op("ampkernels::linear_cross_entropy_bwd", mutates_args=())
+def linear_cross_entropy_bwd(dloss: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                             ignore_index: int, label_smoothing: float, reduction: str, need_dx: bool, need_dw: bool,
+                             need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias) of reduction(losses) scaled by dloss, the logits recomputed;
+    dweight and dbias in fp32 (fp64 for fp64 x); empty (0,) tensors when not needed."""
+    return bwd_impl(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw,
+                    need_db, backend)
+
+
+@linear_cross_entropy_bwd.register_fake
+def _(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db, backend):
+    acc = _acc_dtype(x.dtype)
+    m, k, v = x.shape[0], x.shape[1], weight.shape[0]
+    return (x.new_empty((m, k)) if need_dx else x.new_empty(0),
+            x.new_empty((v, k), dtype=acc) if need_dw else x.new_empty(0),
+            x.new_empty((v,), dtype=acc) if need_db else x.new_empty(0))
+
+
+def _fwd(*args):
+    if eager_call(*args[:4]):
+        return fwd_impl(*args)
+    return torch.ops.ampkernels.linear_cross_entropy_fwd(*args)
+
+
+def _bwd(*args):
+    if eager_call(*args[:5]):
+        return bwd_impl(*args)
+    return torch.ops.ampkernels.linear_cross_entropy_bwd(*args)
+
+
+# ---------------------------------------------------------------- autograd
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """mean/sum: the forward computes the gradients too and saves them (x-sized dx, fp32
+    weight-sized dW, fp32 db); backward scales them in place by grad_output (/ n_valid).
+    "none": saves x, weight, bias, target and recomputes. cast_to: the compute dtype when the
+    weight/bias are fp32 master weights under autocast (cast here, gradients in fp32)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, bias, target, ignore_index, label_smoothing, reduction, backend, cast_to=None):
+        w, b = weight, bias
+        if cast_to is not None:
+            w, b = weight.to(cast_to), None if bias is None else bias.to(cast_to)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_db = need_db and bias is not None
+        ctx.args = (ignore_index, label_smoothing, reduction, backend)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.cast_to, ctx.need = cast_to, (need_dx, need_dw, need_db)
+        if reduction == "none":
+            loss = _fwd(x, w, b, target, ignore_index, label_smoothing, reduction, False, False, False, backend)[0]
+            ctx.save_for_backward(x, weight, bias, target)
+        else:
+            loss, dx, dw, db = _fwd(x, w, b, target, ignore_index, label_smoothing, reduction, need_dx, need_dw,
+                                    need_db, backend)
+            ctx.save_for_backward(target, dx, dw, db)
+        return loss
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dloss):
+        ignore_index, label_smoothing, reduction, backend = ctx.args
+        need_dx, need_dw, need_db = ctx.need
+        if reduction == "none":
+            x, weight, bias, target = ctx.saved_tensors
+            if ctx.cast_to is not None:
+                weight, bias = weight.to(ctx.cast_to), None if bias is None else bias.to(ctx.cast_to)
+            dx, dw, db = _bwd(dloss.contiguous(), x, weight, bias, target, ignore_index, label_smoothing, reduction,
+                              need_dx, need_dw, need_db, backend)
+        else:
+            # in place on the saved gradients: no second weight-sized buffer while the model's
+            # activations peak. A second backward through this node (retain_graph) gets torch's
+            # "modified by an inplace operation" error from the version check.
+            target, dx, dw, db = ctx.saved_tensors
+            factor = dloss.detach().to(torch.float64 if dw.dtype == torch.float64 else torch.float32)
+            if reduction == "mean":
+                # all tokens ignored: the gradients are zeros (as torch's), not 0 * inf
+                factor = factor / _n_valid(target, ignore_index, factor.dtype).clamp_min(1)
+            wdt, bdt = ctx.dtypes
+            if need_dx:
+                dx.mul_(factor)
+            if need_dw:  # 16-bit weights: scaled and rounded in one pass over the fp32 accumulator
+                dw = dw.mul_(factor) if wdt == dw.dtype else torch.mul(dw, factor, out=torch.empty_like(dw, dtype=wdt))
+            if need_db:
+                db = db.mul_(factor) if bdt == db.dtype else torch.mul(db, factor, out=torch.empty_like(db, dtype=bdt))
+        wdt, bdt = ctx.dtypes
+        return (dx if need_dx else None, dw.to(wdt) if need_dw else None, db.to(bdt) if need_db else None,
+                None, None, None, None, None, None)
+
+
+# ---------------------------------------------------------------- "auto"
+
+def preference(device, dtype):
+    """Backends "auto" tries, fastest first. Also under torch.compile: the op is opaque there
+    either way (inductor would build the full logits), so the kernels are the better choice.
+    The GEMMs dominate; the row pass has not been timed cuda vs triton yet (cuda first: less
+    host time per launch)."""
+    return ("cuda", "triton")
+
+
+@backends.assume_constant_result
+def _choose(backend, device, dtype, unsupported):
+    return backends.select("linear_cross_entropy", backend, device, preference(device, dtype), unsupported)
+
+
+# ---------------------------------------------------------------- functional API
+
+def _check_args(x, weight, target, bias, ignore_index, label_smoothing, reduction):
+    op = "linear_cross_entropy"
+    for name, t in (("x", x), ("weight", weight), ("target", target), ("bias", bias)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be 2-D (vocab, hidden), got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: x's last dim must equal weight's hidden = {weight.shape[1]} "
+                         f"(weight shape {tuple(weight.shape)}), got x shape {tuple(x.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"{op}: weight must have at least one row (class), got shape {tuple(weight.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"{op}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{op}: target must be an int64 tensor of class indices, got {target.dtype}")
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{op}: target must have x's leading shape {tuple(x.shape[:-1])}, "
+                         f"got {tuple(target.shape)}")
+    dev = x.device
+    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
+        if t is not None and t.device != dev:
+            raise ValueError(f"{op}: {name} is on {t.device} but x is on {dev}")
+
+
+def _check_target_range(target, v, ignore_index):
+    """Class indices in [0, V) or ignore_index: one host sync, in eager mode only (not while
+    compiling or capturing a CUDA graph; the kernels then give a NaN loss for a bad index)."""
+    if torch.compiler.is_compiling() or (target.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    bad = ((target < 0) | (target >= v)) & (target != ignore_index)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"linear_cross_entropy: target holds {int(target[i])} at flat index {i}, outside "
+                         f"[0, {v}) (vocab = weight.shape[0]) and not ignore_index = {ignore_index}")
+
+
+def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                         backend=None):
+    """cross_entropy(x @ weight.T + bias, target) without materialising the logits.
+
+    Equals F.cross_entropy(F.linear(x, weight, bias).float(), target, ignore_index=ignore_index,
+    label_smoothing=label_smoothing, reduction=reduction): the 16-bit logits are rounded as
+    F.linear rounds them, the softmax is fp32. x (..., hidden) fp16/bf16 (fp32 under autocast
+    is cast as F.linear casts it); weight (vocab, hidden) in x's dtype or fp32 master weights
+    under autocast (gradients returned in fp32); target (...) int64; the loss is fp32 (fp64 for
+    fp64 inputs, which with fp32 run the torch path when autocast is off).
+    backend: None/"auto" | "cuda" | "triton" | "torch" (see ampkernels.backends).
+    """
+    _check_args(x, weight, target, bias, ignore_index, label_smoothing, reduction)
+    label_smoothing = float(label_smoothing)
+    device = x.device
+    cast_to = None
+    if torch.is_autocast_enabled(device.type):
+        x = x.to(torch.get_autocast_dtype(device.type))
+        if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+            cast_to = x.dtype
+    elif weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"linear_cross_entropy: x, weight and bias must share a dtype (as for F.linear), got x "
+                        f"{x.dtype}, weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+    k, v = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k).contiguous()
+    t2 = target.reshape(-1).to(torch.int64).contiguous()
+    _check_target_range(t2, v, ignore_index)
+    unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
+    name = _choose(backend, device, x.dtype, unsupported)
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
+                                            (bias is not None and bias.requires_grad))
+    if training:
+        loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, name,
+                                                cast_to)
+    else:
+        if cast_to is not None:
+            weight, bias = weight.to(cast_to), None if bias is None else bias.to(cast_to)
+        loss = _fwd(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, False, False, False, name)[0]
+    return loss.reshape(target.shape) if reduction == "none" else loss

@@ -1,0 +1,96 @@
+"""Triton row pass of linear_cross_entropy (ampkernels/ops/linear_cross_entropy.py).
+
+One program owns one row of a chunk's logits (16-bit, up to ~256k wide) and walks it in
+BLOCK-wide steps, twice:
+1. per lane a running max and a sum of exp relative to it (online, rescaled when the max
+   grows), plus the sum of the logits (label smoothing); reduced across lanes once at the end
+   into the row's fp32 log-sum-exp. The row loss: lse - (1-eps) z_t - eps/V sum(z), 0 when the
+   target is ignore_index, NaN when it is out of range.
+2. (WRITE_GRAD) scale * (softmax - (1-eps) onehot - eps/V) stored over the logits in place.
+Max references that are -inf (a row's lanes untouched so far) are taken as 0, as torch's
+logsumexp does, so masked lanes never make 0 * inf.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import on_device
+from .launch import launch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _lce_rows_kernel(z_ptr, t_ptr, loss_ptr, scale_ptr, V, ignore_index, eps, SCALE_PER_ROW: tl.constexpr,
+                     WRITE_GRAD: tl.constexpr, SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * V
+    t = tl.load(t_ptr + row)
+    lanes = tl.arange(0, BLOCK)
+    if t != ignore_index:
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        zsum = tl.zeros([BLOCK], tl.float32)
+        for off in range(0, V, BLOCK):
+            cols = off + lanes
+            mask = cols < V
+            z = tl.load(z_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            new = tl.maximum(m, z)
+            ref = tl.where(new == float("-inf"), 0.0, new)
+            s = s * tl.exp(m - ref) + tl.exp(z - ref)
+            m = new
+            if SMOOTH:
+                zsum += tl.where(mask, z, 0.0)
+        mx = tl.max(m, 0)
+        ref = tl.where(mx == float("-inf"), 0.0, mx)
+        lse = ref + tl.log(tl.sum(s * tl.exp(m - ref), 0))
+        in_range = (t >= 0) & (t < V)
+        zt = tl.load(z_row + t, mask=in_range, other=float("nan")).to(tl.float32)
+        loss = lse - (1.0 - eps) * zt
+        if SMOOTH:
+            loss -= eps / V * tl.sum(zsum, 0)
+        tl.store(loss_ptr + row, loss)
+        if WRITE_GRAD:
+            if SCALE_PER_ROW:
+                sc = tl.load(scale_ptr + row)
+            else:
+                sc = tl.load(scale_ptr)
+            for off in range(0, V, BLOCK):
+                cols = off + lanes
+                mask = cols < V
+                z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.exp(z - lse) - tl.where(cols == t, 1.0 - eps, 0.0)
+                if SMOOTH:
+                    g -= eps / V
+                tl.store(z_row + cols, (g * sc).to(z_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(loss_ptr + row, 0.0)
+        if WRITE_GRAD:
+            for off in range(0, V, BLOCK):
+                cols = off + lanes
+                tl.store(z_row + cols, tl.zeros([BLOCK], z_ptr.dtype.element_ty), mask=cols < V)
+
+
+def block_size(v, smooth):
+    """Lanes per step: 16 elements per thread at 8 warps for long rows (16-byte vectors; two
+    fp32 accumulators each), 8 with label smoothing (a third accumulator: at 16 ptxas spilled,
+    scripts/triton_compile_check.py -v), fewer for short rows."""
+    if _INTERPRET:
+        return min(256, max(16, triton.next_power_of_2(v)))
+    return min(2048 if smooth else 4096, max(128, triton.next_power_of_2(v)))
+
+
+def rows_pass(z, target, loss, scale, ignore_index, eps, write_grad):
+    """See ops/linear_cross_entropy.rows_pass: z (n, V) contiguous fp16/bf16, target (n,) int64,
+    loss (n,) fp32, scale fp32 (1,) or (n,)."""
+    n, v = z.shape
+    if n == 0:
+        return
+    assert z.is_contiguous() and target.is_contiguous() and loss.is_contiguous()
+    BLOCK = block_size(v, eps != 0.0)
+    with on_device(z):
+        launch(_lce_rows_kernel, (n,), z, target, loss, scale, v, ignore_index, float(eps),
+               SCALE_PER_ROW=scale.numel() > 1, WRITE_GRAD=write_grad, SMOOTH=eps != 0.0, BLOCK=BLOCK,
+               num_warps=8 if BLOCK >= 2048 else 4)

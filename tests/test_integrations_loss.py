@@ -1,0 +1,172 @@
+"""ampkernels.integrations.loss.fuse_causal_lm_loss on tiny Hugging Face causal LMs (CPU): the
+same loss and gradients as the unpatched model, no logits, state_dict / save_pretrained
+untouched, eval and generation unchanged, models it cannot handle refused."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ampkernels.integrations.loss import fuse_causal_lm_loss, is_fused, unfuse_causal_lm_loss  # noqa: E402
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=64, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=103, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama}
+
+
+def _pair(name):
+    torch.manual_seed(0)
+    ref = MODELS[name]()
+    model = copy.deepcopy(ref)
+    ref.train()
+    model.train()
+    return fuse_causal_lm_loss(model), ref
+
+
+def _batch(model, b=2, t=11):
+    ids = torch.randint(0, model.config.vocab_size, (b, t))
+    labels = ids.clone()
+    labels[0, :4] = -100  # a prompt left out of the loss
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    labels[1, -2:] = -100
+    return ids, mask, labels
+
+
+def _assert_same_grads(model, ref):
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_same_loss_and_gradients_no_logits(name):
+    model, ref = _pair(name)
+    ids, mask, labels = _batch(model)
+    out = model(ids, attention_mask=mask, labels=labels)
+    want = ref(ids, attention_mask=mask, labels=labels)
+    assert type(out) is type(want) and out.logits is None and want.logits is not None
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    want.loss.backward()
+    _assert_same_grads(model, ref)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_trainer_kwargs_and_tuple_output(name):
+    # num_items_in_batch (gradient accumulation: sum / count) and return_dict=False
+    model, ref = _pair(name)
+    ids, mask, labels = _batch(model)
+    n = torch.tensor(13)
+    out = model(input_ids=ids, labels=labels, num_items_in_batch=n, return_dict=False)
+    want = ref(input_ids=ids, labels=labels, num_items_in_batch=n, return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], want[0], rtol=1e-5, atol=1e-6)
+    out[0].backward()
+    want[0].backward()
+    _assert_same_grads(model, ref)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_state_dict_save_pretrained_eval_and_generate_untouched(name, tmp_path):
+    model, ref = _pair(name)
+    assert is_fused(model) and set(model.state_dict()) == set(ref.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref.state_dict()[k]), k
+    model.save_pretrained(tmp_path / "m")
+    loaded = type(ref).from_pretrained(tmp_path / "m")
+    assert not is_fused(loaded)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, ref.state_dict()[k]), k
+    ids, mask, labels = _batch(model)
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        out, want = model(ids, labels=labels), ref(ids, labels=labels)  # eval: the original forward, logits kept
+    torch.testing.assert_close(out.logits, want.logits)
+    torch.testing.assert_close(out.loss, want.loss)
+    gen = model.generate(ids[:1, :3], max_new_tokens=3, do_sample=False)
+    assert torch.equal(gen, ref.generate(ids[:1, :3], max_new_tokens=3, do_sample=False))
+    model.train()
+    assert model(ids).logits is not None  # no labels: logits as usual
+    unfuse_causal_lm_loss(model)
+    assert not is_fused(model) and model(ids, labels=labels).logits is not None
+
+
+def test_tied_gpt2_head_gets_one_gradient():
+    model, ref = _pair("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids, _, labels = _batch(model)
+    model(ids, labels=labels).loss.backward()
+    ref(ids, labels=labels).loss.backward()
+    torch.testing.assert_close(model.transformer.wte.weight.grad, ref.transformer.wte.weight.grad, rtol=1e-4,
+                               atol=1e-6)
+
+
+def test_refuses_final_logit_softcapping():
+    cfg = transformers.Gemma2Config(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=16, vocab_size=97)
+    model = transformers.Gemma2ForCausalLM(cfg)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        fuse_causal_lm_loss(model)
+    assert not is_fused(model) and "forward" not in vars(model)
+
+
+def test_refuses_forward_that_touches_logits():
+    class Scaled(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            outputs = self.model(input_ids=input_ids, **kwargs)
+            hidden_states = outputs.last_hidden_state
+            logits = self.lm_head(hidden_states)
+            logits = logits * 2
+            loss = self.loss_function(logits, labels, self.config.vocab_size)
+            return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    model = Scaled(_llama().config)
+    with pytest.raises(ValueError, match="changes the logits before the loss"):
+        fuse_causal_lm_loss(model)
+
+
+def test_refuses_non_linear_head_and_hooks():
+    model = _llama()
+    model.lm_head.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="forward hooks"):
+        fuse_causal_lm_loss(model)
+    with pytest.raises(ValueError, match="not a transformers PreTrainedModel"):
+        fuse_causal_lm_loss(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gpu_autocast_training_matches(name, backend):
+    # fp32 master weights under bf16 autocast: the loss and gradients of the unpatched model
+    model, ref = _pair(name)
+    model.cuda()
+    ref.cuda()
+    fuse_causal_lm_loss(model, backend=backend)
+    ids, mask, labels = (a.cuda() for a in _batch(model, b=3, t=40))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(ids, attention_mask=mask, labels=labels)
+        want = ref(ids, attention_mask=mask, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, want.loss, rtol=2e-3, atol=2e-3)
+    out.loss.backward()
+    want.loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is not None:
+            err = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+            assert err < 2e-2, (n, err)

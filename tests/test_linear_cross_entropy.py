@@ -1,0 +1,518 @@
+"""linear_cross_entropy: every backend against float64 autograd of reference.linear_cross_entropy.
+
+CPU tier: the reference against F.cross_entropy, the torch backend (fp32, fp16, bf16, fp64,
+master weights under CPU autocast), the Triton row pass under TRITON_INTERPRET=1 (fp16),
+several chunks per call (the chunk floor patched down), every reduction, label smoothing,
+ignore_index (all ignored too), 1 token, bad inputs, GradScaler's overflow path, opcheck,
+torch.compile(fullgraph), nn.LinearCrossEntropy.
+GPU tier (`-m gpu`): cuda and triton at odd and real shapes (8192 x 768 x 50257 bf16), the
+memory bound, autocast + GradScaler, compile.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampkernels
+import ampkernels.nn
+from ampkernels import _extension, reference
+from ampkernels.ops import linear_cross_entropy as lce
+from tests.utils import assert_rel_close, randn
+
+HAS_CUDA = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(not ampkernels.available_backends()["triton"][0], reason="triton unavailable")
+CPU_TRITON = [] if HAS_CUDA else ["triton"]
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    # a chunk of about 3 rows at the CPU shapes below: every call runs several chunks
+    monkeypatch.setattr(lce, "_CHUNK_MIN_ELEMS", 150)
+
+
+def _inputs(m, k, v, dtype, device, bias=True, lead=(), ignore_frac=0.2):
+    x = randn(*lead, m, k, dtype=dtype, device=device)
+    w = randn(v, k, dtype=dtype, device=device, scale=2 / math.sqrt(k))  # logits ~ N(0, 4): peaked rows
+    b = randn(v, dtype=dtype, device=device, scale=0.5) if bias else None
+    t = torch.randint(0, v, (*lead, m), device=device)
+    t[torch.rand(t.shape, device=device) < ignore_frac] = -100
+    return x, w, b, t
+
+
+def _grads64(x, w, b, t, dloss, **kw):
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    ref = reference.linear_cross_entropy(x64, w64, t, b64, **kw)
+    ref.backward(dloss.double())
+    return ref.detach(), x64.grad, w64.grad, None if b is None else b64.grad
+
+
+def _check(x, w, b, t, backend, factor=2.0, dtype=None, reduction="mean", label_smoothing=0.0, ignore_index=-100,
+           autocast_dtype=None):
+    """Loss and dx/dW/db against float64 autograd of the reference, with a random grad_output."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    b = None if b is None else b.detach().requires_grad_()
+    kw = dict(reduction=reduction, label_smoothing=label_smoothing, ignore_index=ignore_index)
+    with torch.autocast(x.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        loss = ampkernels.linear_cross_entropy(x, w, t, b, backend=backend, **kw)
+    dtype = dtype or autocast_dtype or x.dtype
+    assert loss.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    assert loss.shape == (t.shape if reduction == "none" else ())
+    dloss = torch.rand_like(loss) + 0.5
+    loss.backward(dloss)
+    ref, dx, dw, db = _grads64(x, w, b, t, dloss, **kw)
+    what = f"{backend} {dtype} {reduction} ls={label_smoothing}"
+    assert_rel_close(loss, ref, dtype, factor=factor, what=what + " loss")
+    assert x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
+    assert_rel_close(x.grad, dx, dtype, factor=factor, what=what + " dx")
+    assert_rel_close(w.grad, dw, dtype, factor=factor, what=what + " dW")
+    if b is not None:
+        assert b.grad.dtype == b.dtype
+        assert_rel_close(b.grad, db, dtype, factor=factor, what=what + " db")
+    return loss
+
+
+# ---------------------------------------------------------------- CPU tier: reference
+
+@pytest.mark.parametrize("reduction", lce.REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_reference_is_f_cross_entropy(reduction, label_smoothing):
+    x, w, b, t = _inputs(23, 16, 37, torch.float64, "cpu")
+    want = F.cross_entropy(F.linear(x, w, b), t, reduction=reduction, label_smoothing=label_smoothing)
+    got = reference.linear_cross_entropy(x, w, t, b, reduction=reduction, label_smoothing=label_smoothing)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- CPU tier: torch backend
+
+@pytest.mark.parametrize("reduction", lce.REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.15])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_torch_backend(small_chunks, dtype, bias, label_smoothing, reduction):
+    x, w, b, t = _inputs(19, 24, 53, dtype, "cpu", bias=bias)
+    _check(x, w, b, t, "torch", reduction=reduction, label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
+@pytest.mark.parametrize("shape", [(1, 8, 5), (3, 13, 7), (17, 40, 101), (9, 16, 2)])
+def test_odd_shapes_and_one_token(small_chunks, backend, shape):
+    m, k, v = shape
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    for reduction in lce.REDUCTIONS:
+        x, w, b, t = _inputs(m, k, v, dtype, "cpu", ignore_frac=0.0)
+        _check(x, w, b, t, backend, reduction=reduction, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
+def test_3d_input(small_chunks, backend):
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    x, w, b, t = _inputs(7, 16, 33, dtype, "cpu", lead=(3,))
+    _check(x, w, b, t, backend)
+    _check(x, w, b, t, backend, reduction="none")
+
+
+@pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_all_ignored_is_torch_behaviour(backend, label_smoothing):
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    x, w, b, t = _inputs(6, 16, 12, dtype, "cpu")
+    t.fill_(-100)
+    for reduction in lce.REDUCTIONS:
+        xs, ws, bs = (a.detach().requires_grad_() for a in (x, w, b))
+        loss = ampkernels.linear_cross_entropy(xs, ws, t, bs, reduction=reduction, label_smoothing=label_smoothing,
+                                               backend=backend)
+        xr, wr, br = (a.detach().float().requires_grad_() for a in (x, w, b))
+        ref = F.cross_entropy(F.linear(xr, wr, br), t, reduction=reduction, label_smoothing=label_smoothing)
+        torch.testing.assert_close(loss, ref, equal_nan=True)  # mean: NaN, as torch
+        loss.sum().backward()
+        ref.sum().backward()
+        for g, gr in ((xs.grad, xr.grad), (ws.grad, wr.grad), (bs.grad, br.grad)):
+            assert torch.equal(g.float(), gr), "all ignored: gradients are zeros, as torch's"
+
+
+@pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
+def test_other_ignore_index(small_chunks, backend):
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    x, w, b, t = _inputs(11, 16, 21, dtype, "cpu", ignore_frac=0.0)
+    t[::3] = 4  # a real class used as ignore_index
+    _check(x, w, b, t, backend, ignore_index=4, label_smoothing=0.1)
+
+
+def test_fp32_master_weights_under_cpu_autocast(small_chunks):
+    # F.linear's autocast cast: x and the fp32 weight/bias to bf16; gradients back in fp32
+    x, w, b, t = _inputs(13, 32, 45, torch.float32, "cpu")
+    _check(x, w, b, t, "torch", autocast_dtype=torch.bfloat16)
+    _check(x, w, None, t, "torch", autocast_dtype=torch.bfloat16, reduction="none")
+    # the same value as torch's own ops under the same autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ampkernels.linear_cross_entropy(x, w, t, b)
+        want = F.cross_entropy(F.linear(x, w, b).float(), t)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_without_autocast_matches_torch_closely(small_chunks):
+    x, w, b, t = _inputs(29, 16, 31, torch.float32, "cpu")
+    got = ampkernels.linear_cross_entropy(x, w, t, b, label_smoothing=0.1)
+    torch.testing.assert_close(got, F.cross_entropy(F.linear(x, w, b), t, label_smoothing=0.1), rtol=1e-5, atol=1e-6)
+
+
+def test_inference_computes_no_gradients_and_builds_no_graph():
+    x, w, b, t = _inputs(9, 16, 20, torch.float32, "cpu")
+    w.requires_grad_()
+    with torch.no_grad():
+        loss = ampkernels.linear_cross_entropy(x, w, t, b)
+    assert loss.grad_fn is None
+    assert_rel_close(loss, reference.linear_cross_entropy(x.double(), w.detach().double(), t, b.double()),
+                     torch.float32)
+
+
+def test_frozen_head_gives_only_dx(small_chunks):
+    x, w, b, t = _inputs(9, 16, 20, torch.float32, "cpu")
+    x.requires_grad_()
+    loss = ampkernels.linear_cross_entropy(x, w, t, b)
+    loss.backward()
+    _, dx, _, _ = _grads64(x, w, b, t, torch.ones((), dtype=torch.float64))
+    assert_rel_close(x.grad, dx, torch.float32)
+    assert w.grad is None and b.grad is None
+
+
+def test_chunking_bounds_the_logits():
+    # the chunk's logits: about max(x's size, the floor) elements, never tokens x vocab
+    assert lce.chunk_rows(8192, 768, 50257) * 50257 <= max(8192 * 768, lce._CHUNK_MIN_ELEMS)
+    assert lce.chunk_rows(8192, 4096, 128256) * 128256 <= max(8192 * 4096, lce._CHUNK_MIN_ELEMS)
+    assert lce.chunk_rows(10, 4, 7) == 10 and lce.chunk_rows(0, 4, 7) == 1
+    rows = lce.chunk_rows(1 << 20, 4096, 128256)
+    assert rows % 64 == 0 and rows * 128256 <= (1 << 20) * 4096
+
+
+def test_second_backward_is_a_clear_error():
+    x, w, b, t = _inputs(5, 8, 9, torch.float32, "cpu")
+    x.requires_grad_()
+    loss = ampkernels.linear_cross_entropy(x, w, t, b)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # reduction="none" recomputes, so it may run twice
+    loss = ampkernels.linear_cross_entropy(x, w, t, b, reduction="none").sum()
+    x.grad = None
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+
+
+def test_bad_inputs_are_clear_errors():
+    x, w, b, t = _inputs(4, 8, 6, torch.float32, "cpu")
+    f = ampkernels.linear_cross_entropy
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        f(x, w, t, reduction="avg")
+    with pytest.raises(ValueError, match="target must have x's leading shape"):
+        f(x, w, t[:3])
+    with pytest.raises(TypeError, match="target must be an int64"):
+        f(x, w, t.float())
+    with pytest.raises(ValueError, match="x's last dim must equal weight's hidden"):
+        f(x[:, :7], w, t)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        f(x, w, t, b[:5])
+    with pytest.raises(ValueError, match="label_smoothing must be a float in"):
+        f(x, w, t, label_smoothing=1.5)
+    with pytest.raises(TypeError, match="x, weight and bias must share a dtype"):
+        f(x.half(), w, t)
+    with pytest.raises(ValueError, match="target holds 6 at flat index 1, outside"):
+        f(x, w, torch.tensor([0, 6, -100, 1]))
+    with pytest.raises(ValueError, match="target holds -1 at flat index 0"):
+        f(x, w, torch.tensor([-1, 0, 1, 2]))
+    with pytest.raises(RuntimeError, match="backend 'cuda' needs CUDA tensors"):
+        f(x.half(), w.half(), t, backend="cuda")
+
+
+def test_grad_scaler_overflow_step_is_skipped():
+    # an inf in x (CPU autocast, fp32 master weights): the loss is not finite and the step skips
+    lin = ampkernels.nn.LinearCrossEntropy(16, 24)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x = torch.randn(6, 16)
+    x[2, 3] = float("inf")
+    t = torch.randint(0, 24, (6,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lin(x, t)
+    assert not torch.isfinite(loss)
+    scaler.scale(loss).backward()
+    before = lin.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(before, lin.weight) and scaler.get_scale() < 2.0 ** 10
+    # and a finite step goes through, with the scale folded into the saved gradients
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lin(torch.randn(6, 16), t)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    assert not torch.equal(before, lin.weight) and torch.isfinite(lin.weight).all()
+
+
+def test_module_matches_linear_plus_cross_entropy():
+    torch.manual_seed(1)
+    head = ampkernels.nn.LinearCrossEntropy(16, 40, label_smoothing=0.05)
+    ref = torch.nn.Linear(16, 40)
+    ref.load_state_dict(head.state_dict())
+    assert set(head.state_dict()) == {"weight", "bias"} and "reduction='mean'" in repr(head)
+    x, t = torch.randn(2, 5, 16), torch.randint(0, 40, (2, 5))
+    head(x, t).backward()
+    F.cross_entropy(ref(x).flatten(0, 1), t.flatten(), label_smoothing=0.05).backward()
+    torch.testing.assert_close(head.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        ampkernels.nn.LinearCrossEntropy(4, 4, reduction="mean ")
+
+
+# ---------------------------------------------------------------- CPU tier: Triton interpreter
+
+@needs_triton
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU tier covers triton on CUDA tensors")
+@pytest.mark.parametrize("reduction", lce.REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_triton_interpreter(small_chunks, reduction, label_smoothing):
+    x, w, b, t = _inputs(13, 16, 300, torch.float16, "cpu")  # 300 > one 256-lane block: two steps a row
+    _check(x, w, b, t, "triton", reduction=reduction, label_smoothing=label_smoothing)
+
+
+@needs_triton
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU tier covers triton on CUDA tensors")
+def test_triton_rows_pass_matches_torch_rows_pass():
+    z = randn(5, 300, dtype=torch.float16, scale=3)
+    z[1, 7] = float("-inf")  # a zero probability; smoothing's eps/V on it makes the loss inf, as torch's
+    t = torch.tensor([3, 299, -100, 0, 150])
+    scale = torch.tensor([0.5, 1.0, 2.0, 3.0, 0.25])
+    outs = []
+    for backend in ("torch", "triton"):
+        zz, loss = z.clone(), torch.empty(5)
+        lce.rows_pass(zz, t, loss, scale, -100, 0.1, True, backend)
+        outs.append((zz, loss))
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=2e-3, atol=1e-6)
+    assert outs[1][1][1] == float("inf") and torch.isfinite(outs[1][1][[0, 2, 3, 4]]).all()
+    assert torch.isfinite(outs[1][0]).all() and torch.equal(outs[1][0][2], torch.zeros(300, dtype=torch.float16))
+
+
+# ---------------------------------------------------------------- CPU tier: opcheck, compile
+
+def _opcheck(backend, dtype, device):
+    x, w, b, t = _inputs(7, 16, 24, dtype, device)
+    fwd, bwd = torch.ops.ampkernels.linear_cross_entropy_fwd.default, torch.ops.ampkernels.linear_cross_entropy_bwd
+    for reduction in lce.REDUCTIONS:
+        torch.library.opcheck(fwd, (x, w, b, t, -100, 0.1, reduction, True, True, True, backend))
+        torch.library.opcheck(fwd, (x, w, None, t, -100, 0.0, reduction, False, True, False, backend))
+        dl = torch.rand(7 if reduction == "none" else (), device=device)
+        torch.library.opcheck(bwd.default, (dl, x, w, b, t, -100, 0.1, reduction, True, True, True, backend))
+    torch.library.opcheck(fwd, (x, w, b, t, -100, 0.0, "mean", False, False, False, backend))
+
+
+def test_opcheck_cpu_torch():
+    _opcheck("torch", torch.float32, "cpu")
+
+
+@needs_triton
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU tier covers triton on CUDA tensors")
+def test_opcheck_cpu_triton_interpret():
+    _opcheck("triton", torch.float16, "cpu")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
+def test_compile_fullgraph_cpu(backend, reduction):
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    x, w, b, t = _inputs(6, 16, 24, dtype, "cpu", lead=(2,))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, b, t: ampkernels.linear_cross_entropy(x, w, t, b, reduction=reduction,
+                                                                          backend=backend),
+                       fullgraph=True, backend="aot_eager")
+    x, w, b = (a.requires_grad_() for a in (x, w, b))
+    loss = fn(x, w, b, t)
+    dloss = torch.rand_like(loss) + 0.5
+    loss.backward(dloss)
+    ref, dx, dw, db = _grads64(x, w, b, t, dloss, reduction=reduction)
+    assert_rel_close(loss, ref, dtype, factor=2)
+    assert_rel_close(x.grad, dx, dtype, factor=2, what="dx")
+    assert_rel_close(w.grad, dw, dtype, factor=2, what="dW")
+    assert_rel_close(b.grad, db, dtype, factor=2, what="db")
+
+
+def test_compile_keeps_the_op_opaque():
+    # inductor must see the custom op, not F.linear + cross_entropy (it would build the logits)
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    x, w, b, t = _inputs(6, 16, 24, torch.float32, "cpu")
+    rec = AotEagerAndRecordGraphs()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, b, t: ampkernels.linear_cross_entropy(x, w, t, b), fullgraph=True, backend=rec)
+    fn(x, w.requires_grad_(), b, t).backward()
+    code = "\n".join(g.code for g in rec.fw_graphs + rec.bw_graphs)
+    assert "linear_cross_entropy_fwd" in code and "aten.mm" not in code and "log_softmax" not in code
+
+
+needs_ext = pytest.mark.skipif(not _extension.load(), reason=f"extension not built: {_extension.status()[1]}")
+
+
+@needs_ext
+def test_extension_schema():
+    op = torch.ops.ampkernels.linear_cross_entropy_rows_cuda_.default
+    assert op._schema.name == "ampkernels::linear_cross_entropy_rows_cuda_"
+
+
+# ---------------------------------------------------------------- GPU tier
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64, 128), (7, 13, 7), (33, 72, 1001), (130, 64, 50257), (65, 40, 3)])
+def test_gpu_backends_match_float64(backend, dtype, shape):
+    m, k, v = shape
+    for reduction in lce.REDUCTIONS:
+        for ls, bias in ((0.0, True), (0.1, False)):
+            x, w, b, t = _inputs(m, k, v, dtype, "cuda", bias=bias)
+            _check(x, w, b, t, backend, reduction=reduction, label_smoothing=ls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_many_chunks_and_odd_vocab(small_chunks, backend):
+    x, w, b, t = _inputs(100, 48, 1003, torch.bfloat16, "cuda")
+    _check(x, w, b, t, backend)
+    _check(x, w, b, t, backend, reduction="none", label_smoothing=0.2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_rows_pass_agrees_with_torch(backend):
+    for v in (7, 1000, 50257, 128256):
+        z = randn(9, v, dtype=torch.bfloat16, device="cuda", scale=4)
+        t = torch.randint(0, v, (9,), device="cuda")
+        t[4] = -100
+        scale = torch.rand(9, device="cuda") + 0.5
+        (z1, l1), (z2, l2) = [(z.clone(), torch.empty(9, device="cuda")) for _ in range(2)]
+        lce.rows_pass(z1, t, l1, scale, -100, 0.1, True, "torch")
+        lce.rows_pass(z2, t, l2, scale, -100, 0.1, True, backend)
+        torch.testing.assert_close(l2, l1, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(z2.float(), z1.float(), rtol=1.6e-2, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gpu_autocast_master_weights_and_grad_scaler(backend, dtype, bias):
+    torch.manual_seed(0)
+    head = ampkernels.nn.LinearCrossEntropy(256, 5003, bias=bias, backend=backend).cuda()
+    ref = torch.nn.Linear(256, 5003, bias=bias).cuda()
+    ref.load_state_dict(head.state_dict())
+    x, t = torch.randn(4, 97, 256, device="cuda"), torch.randint(0, 5003, (4, 97), device="cuda")
+    t[:, :5] = -100
+    scaler = torch.amp.GradScaler("cuda")
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    with torch.autocast("cuda", dtype=dtype):
+        loss = head(x, t)
+        want = F.cross_entropy(ref(x).float().flatten(0, 1), t.flatten())
+    assert_rel_close(loss, want.double(), dtype)
+    scaler.scale(loss).backward()
+    want.backward()
+    assert head.weight.grad.dtype == torch.float32
+    scaler.unscale_(opt)
+    assert_rel_close(head.weight.grad, ref.weight.grad.double(), dtype, factor=2)
+    if bias:
+        assert_rel_close(head.bias.grad, ref.bias.grad.double(), dtype, factor=2)
+    before = head.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(before, head.weight)
+    # an inf in x: the loss is not finite, the step skips
+    opt.zero_grad()
+    x[1, 3, 7] = float("inf")
+    with torch.autocast("cuda", dtype=dtype):
+        loss = head(x, t)
+    assert not torch.isfinite(loss)
+    scaler.scale(loss).backward()
+    before = head.weight.detach().clone()
+    scale = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(before, head.weight) and scaler.get_scale() < scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_real_shape_and_bounded_memory(backend):
+    # 8192 x 768 x 50257 bf16 (GPT-2's head): the loss and gradients against torch's fp32 path,
+    # and peak extra memory that does not grow with tokens x vocab
+    k, v = 768, 50257
+    torch.manual_seed(0)
+    w = (torch.randn(v, k, device="cuda") / math.sqrt(k)).bfloat16().requires_grad_()
+    peaks = {}
+    for m in (8192, 32768):
+        x = torch.randn(m, k, device="cuda").bfloat16().requires_grad_()
+        t = torch.randint(0, v, (m,), device="cuda")
+        w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = ampkernels.linear_cross_entropy(x, w, t, backend=backend)
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks[m] = torch.cuda.max_memory_allocated() - base
+        if m == 8192:
+            ref = F.cross_entropy(F.linear(x.detach().float(), w.detach().float()), t)
+            assert_rel_close(loss, ref.double(), torch.bfloat16)
+            xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+            F.cross_entropy(F.linear(xr, wr), t).backward()
+            assert_rel_close(x.grad, xr.grad.double(), torch.bfloat16, factor=2)
+            assert_rel_close(w.grad, wr.grad.double(), torch.bfloat16, factor=2)
+            del xr, wr, ref
+        del x, t, loss
+    chunk = lce._CHUNK_MIN_ELEMS * 2
+    bound = chunk + 3 * v * k * 4 + 4 * 32768 * k * 2 + (64 << 20)
+    assert peaks[8192] < bound and peaks[32768] < bound, (peaks, bound)
+    # 4x the tokens: the bf16 logits alone would add 3 x 8192 x 50257 x 2 bytes (2.5 GB)
+    assert peaks[32768] - peaks[8192] < 0.1 * 3 * 8192 * v * 2, peaks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_compile_fullgraph(backend):
+    x, w, b, t = _inputs(300, 64, 2001, torch.bfloat16, "cuda", lead=(2,))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, b, t: ampkernels.linear_cross_entropy(x, w, t, b, backend=backend),
+                       fullgraph=True)
+    x, w, b = (a.requires_grad_() for a in (x, w, b))
+    loss = fn(x, w, b, t)
+    loss.backward()
+    ref, dx, dw, db = _grads64(x, w, b, t, torch.ones((), dtype=torch.float64, device="cuda"))
+    assert_rel_close(loss, ref, torch.bfloat16)
+    assert_rel_close(w.grad, dw, torch.bfloat16, factor=2)
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck():
+    for backend in ("cuda", "triton", "torch"):
+        _opcheck(backend, torch.bfloat16, "cuda")
+
+
+def test_benchmark_report():
+    from ampkernels.bench import bench_linear_cross_entropy as bl
+    rows = [dict(op="linear_cross_entropy", provider=p, dtype="bfloat16", shape="T=8192,H=768,V=50257,w=fp32", ms=ms,
+                 peak_extra_MiB=mem, **{"pass": "fwd_bwd"}) for p, ms, mem in (("eager", 12.0, 4000), ("liger", 8.0, 900),
+                                                                                ("ampkernels_cuda", 6.0, 800))]
+    (line,) = bl.report(rows)
+    assert "eager 12.00 ms, 4000 MiB" in line and "ampkernels_cuda 6.00 ms (2.00x), 800 MiB (20%)" in line, line
+
+
+@pytest.mark.gpu
+def test_gpu_benchmark_runs(monkeypatch, tmp_path):
+    from ampkernels.bench import bench_linear_cross_entropy as bl
+    from ampkernels.bench.common import Recorder
+    rec = Recorder(str(tmp_path))
+    bl.run(rec, [torch.bfloat16], quick=True, shapes=[(512, 64, 1003)])
+    assert "error" not in {r["provider"] for r in rec.rows}, [r for r in rec.rows if r["provider"] == "error"]
+    assert {"eager", "compile", "ampkernels_cuda", "ampkernels_triton"} <= {r["provider"] for r in rec.rows}
+    assert bl.report(rec.rows)
