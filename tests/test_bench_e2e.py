@@ -42,13 +42,13 @@ def test_e2e_rows_have_every_field(e2e_run):
         assert r[("images" if r["model"] == "vit" else "tokens") + "_per_s"] > 0
         assert r["gpu"] == "cpu" and r["commit"] and r["torch"] == torch.__version__
         if r["mode"].endswith("_convert"):
-            assert r["convert_call"].startswith("convert(model") and r["converted"] is not None
-            if r["model"] != "vit":  # timm's norms and MLP are not recognised yet (issue 32 item 5)
-                assert r["converted"] > 0
+            assert r["convert_call"].startswith("ampkernels.integrations.") and r["converted"] > 0
+            assert r["fused_loss"] == (r["model"] in ("gpt2", "llama"))  # the causal LMs' LM head + loss
         else:
-            assert r["converted"] is None and r["convert_call"] is None
+            assert r["converted"] is None and r["convert_call"] is None and r["fused_loss"] is None
     calls = {r["model"]: r["convert_call"] for r in rows if r["convert_call"]}
-    assert calls["bert"] == "convert(model)" and calls["gpt2"] == "convert(model, norm_out_dtype='autocast')"
+    assert calls["bert"] == "ampkernels.integrations.transformers.apply(model)"
+    assert calls["gpt2"] == "ampkernels.integrations.transformers.apply(model, norm_out_dtype='autocast')"
 
 
 def test_e2e_converted_losses_match(e2e_run):
@@ -64,7 +64,7 @@ def test_e2e_report_is_a_table_per_model(e2e_run):
     lines = bench_e2e.report(rows)
     heads = [line for line in lines if line.startswith("e2e ")]
     assert len(heads) == 4 and all("CPU demo" in h for h in heads)
-    assert any("convert(model) replaced" in h for h in heads if h.startswith("e2e BERT"))
+    assert any("apply(model) replaced" in h for h in heads if h.startswith("e2e BERT"))
     assert sum(line.strip().startswith("fp32 eager") for line in lines) == 4
     assert sum(line.strip().startswith("amp_bf16 eager") and "AMP vs FP32" in line for line in lines) == 4
     if not torch.cuda.is_available():  # the CLI wrote the same lines into report.txt

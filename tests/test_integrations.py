@@ -98,3 +98,27 @@ def test_apply_after_accelerate_prepare_trains_the_prepared_parameters():
     accelerator.backward(model(input_ids=ids, labels=ids).loss)
     opt.step()
     assert not torch.equal(fused.weight, before)
+
+
+def test_transformers_apply_fuses_the_causal_lm_loss_and_reports_what_it_cannot():
+    transformers = pytest.importorskip("transformers")
+    import inspect
+    from ampkernels.integrations import loss as ak_loss, transformers as ak_hf
+    ref = _gpt2().train()
+    model = copy.deepcopy(ref)
+    report = ak_hf.apply(model)
+    assert report.fused_loss and ak_loss.is_fused(model) and "LM head + loss fused" in str(report)
+    # the wrapper keeps the forward's signature (Trainer selects dataset columns by it)
+    assert list(inspect.signature(model.forward).parameters) == list(inspect.signature(ref.forward).parameters)
+    ids = torch.randint(0, V, (2, 12))
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None
+    assert_rel_close(out.loss, ref(input_ids=ids, labels=ids).loss, torch.float32, factor=10)
+    unfused = copy.deepcopy(ref)
+    assert not ak_hf.apply(unfused, fuse_loss=False).fused_loss and not ak_loss.is_fused(unfused)
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32)
+    bert = transformers.BertForMaskedLM(cfg)
+    report = ak_hf.apply(bert)
+    assert not report.fused_loss and not ak_loss.is_fused(bert)
+    assert any(k.path == "" and "LM head + loss not fused" in k.reason for k in report.skipped), str(report)

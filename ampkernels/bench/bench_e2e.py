@@ -28,6 +28,7 @@ about GPU speed.
 import copy
 import dataclasses
 import gc
+import importlib
 import statistics
 import time
 
@@ -46,7 +47,7 @@ CPU_MODES = ("fp32", "fp32_convert", "amp_bf16", "amp_bf16_convert")
 # every row has these fields (peak_mem_GiB is None on CPU, converted / convert_call on unconverted modes)
 ROW_FIELDS = ("op", "model", "mode", "compiled", "provider", "pass", "dtype", "shape", "device", "metric", "value",
               "ms", "peak_mem_GiB", "final_loss", "first_step_s", "steps", "timed_steps", "converted", "convert_call",
-              "params_M", "library")
+              "fused_loss", "params_M", "library")
 
 # per model and size: "full" is the benchmark, "quick" a smaller GPU run, "tiny" the CPU demo
 SIZES = {
@@ -76,9 +77,10 @@ class Workload:
     loss: object  # loss(forward, batch) -> scalar tensor
     items: int  # tokens (images for ViT) per step
     unit: str
-    convert_kwargs: dict  # what a user of this model passes to ampkernels.nn.convert
+    convert_kwargs: dict  # what a user of this model passes to the integration's apply (convert's options)
     shape: str
     library: str
+    integration: str = "transformers"  # ampkernels.integrations.<this>.apply converts the model
 
 
 def synthetic_batches(steps, batch, seq, vocab, seed=0):
@@ -182,7 +184,7 @@ def build_vit(size, steps):
                                   img_size=s["image"], patch_size=s["patch"], embed_dim=s["hidden"],
                                   depth=s["layers"], num_heads=s["heads"], drop_rate=0.0, attn_drop_rate=0.0,
                                   proj_drop_rate=0.0, drop_path_rate=0.0)
-        library = f"timm {timm.__version__}"
+        library, integration = f"timm {timm.__version__}", "timm"
 
         def loss(fwd, batch):
             return torch.nn.functional.cross_entropy(fwd(batch[0]), batch[1])
@@ -195,6 +197,7 @@ def build_vit(size, steps):
                                      attn_implementation="sdpa")
         model = transformers.ViTForImageClassification(cfg)
         library = f"transformers {transformers.__version__} (timm not importable)"
+        integration = "transformers"
 
         def loss(fwd, batch):
             return fwd(pixel_values=batch[0], labels=batch[1]).loss
@@ -204,7 +207,7 @@ def build_vit(size, steps):
                 torch.randint(0, s["classes"], (s["batch"],), generator=g)) for _ in range(min(steps, 4))]
     # pre-norm: each norm feeds attention, the MLP or the head
     return Workload("vit", model, batches, loss, s["batch"], "images", {"norm_out_dtype": "autocast"},
-                    f"L={s['layers']},H={s['hidden']},B={s['batch']},img={s['image']}", library)
+                    f"L={s['layers']},H={s['hidden']},B={s['batch']},img={s['image']}", library, integration)
 
 
 BUILDERS = {"gpt2": build_gpt2, "llama": build_llama, "bert": build_bert, "vit": build_vit}
@@ -214,8 +217,9 @@ def _to(batch, device):
     return tuple(t.to(device) for t in batch) if isinstance(batch, tuple) else batch.to(device)
 
 
-def _convert_call(kwargs):
-    return "convert(model" + "".join(f", {k}={v!r}" for k, v in kwargs.items()) + ")"
+def _convert_call(work):
+    return (f"ampkernels.integrations.{work.integration}.apply(model" +
+            "".join(f", {k}={v!r}" for k, v in work.convert_kwargs.items()) + ")")
 
 
 class _StepTimer:
@@ -242,14 +246,12 @@ class _StepTimer:
 
 def train(recorder, work, mode, compiled, steps, device):
     """One mode: train a copy of work.model for `steps` steps; one row."""
-    import ampkernels.nn as aknn
-
     dtype, converts = MODES[mode]
     model = copy.deepcopy(work.model).to(device).train()
-    replaced = None
-    if converts:
-        _, conv = aknn.convert(model, **work.convert_kwargs)
-        replaced = len(conv.replaced)
+    replaced = fused_loss = None
+    if converts:  # the one line a user adds: convert, and for a causal LM the fused LM head + loss
+        conv = importlib.import_module(f"ampkernels.integrations.{work.integration}").apply(model, **work.convert_kwargs)
+        replaced, fused_loss = len(conv.replaced), conv.fused_loss
     fwd = model
     if compiled:
         torch._dynamo.reset()
@@ -287,7 +289,7 @@ def train(recorder, work, mode, compiled, steps, device):
         **{f"{work.unit}_per_s": round(work.items / ms * 1e3)},
         peak_mem_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         final_loss=round(loss.item(), 4), first_step_s=round(first_s, 3), steps=steps, timed_steps=len(times),
-        converted=replaced, convert_call=_convert_call(work.convert_kwargs) if converts else None,
+        converted=replaced, convert_call=_convert_call(work) if converts else None, fused_loss=fused_loss,
         params_M=round(sum(p.numel() for p in model.parameters()) / 1e6, 1), library=work.library)
 
 

@@ -21,6 +21,7 @@ fuse_causal_lm_loss checks that from the forward's source and the config and ref
 head), a custom loss_function, or a forward already wrapped by someone else.
 """
 import dataclasses
+import functools
 import inspect
 import re
 import sys
@@ -179,7 +180,13 @@ def fuse_causal_lm_loss(model, *, backend=None):
         return model
     check_fusable(model)
     object.__setattr__(model, _ATTR, backend)
-    model.forward = types.MethodType(_fused_forward, model)
+    # the class forward's signature and name on the wrapper: Trainer keeps the dataset columns
+    # that forward's signature names (a bare *args/**kwargs wrapper made it drop input_ids)
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, **kwargs):
+        return _fused_forward(self, *args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
     return model
 
 

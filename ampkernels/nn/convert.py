@@ -107,6 +107,7 @@ class ConvertReport:
     replaced: list = dataclasses.field(default_factory=list)  # (path, old class, new class), short names
     details: list = dataclasses.field(default_factory=list)   # Replacement per entry of `replaced`
     skipped: list = dataclasses.field(default_factory=list)   # Skipped: recognised, left alone
+    fused_loss: bool = False  # integrations.transformers.apply fused the LM head and loss
 
     def add(self, path, old, new):
         self.replaced.append((path, type(old).__name__, type(new).__name__))
@@ -134,6 +135,8 @@ class ConvertReport:
         for d in self.details:
             fused = f" (fused activation: {d.activation})" if d.activation else ""
             lines.append(f"  {d.path}: {d.old} -> {d.new}{fused}")
+        if self.fused_loss:
+            lines.append("  (model): LM head + loss fused (ampkernels.linear_cross_entropy, no logits in training)")
         if self.skipped:
             lines.append(f"ampkernels.nn.convert: {len(self.skipped)} module(s) recognised but left alone")
             lines += [f"  {k.path or '(model)'}: {k.cls} ({k.reason})" for k in self.skipped]
