@@ -265,13 +265,47 @@ at::Tensor gated_act_bwd(const at::Tensor& dh, const at::Tensor& gu, const at::T
   return db;
 }
 
+// h = act(g) * u from gu = [g | u] (the forward's epilogue without biases: the forward's bits),
+// for a backward that recomputes the down projection's input instead of keeping it.
+at::Tensor gated_act_fwd(const at::Tensor& gu, int64_t activation) {
+  constexpr const char* op = "gated_act_fwd_cuda";
+  TORCH_CHECK(gu.is_cuda(), op, ": gu must be a CUDA tensor, got a tensor on ", gu.device());
+  const DType dtype = compute_dtype(gu, op, "gu");
+  check_operand(gu, gu, op, "gu");
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, op, ": gu must be (M, 2H), got ", gu.sizes());
+  const Activation act = to_activation(activation, op);
+  const c10::cuda::CUDAGuard guard(gu.device());
+  const int64_t M = gu.size(0), H = gu.size(1) / 2;
+  at::Tensor h = at::empty({M, H}, gu.options());
+  if (M == 0 || H == 0) return h;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const cudaError_t status = dispatch_dtype(dtype, [&]<typename T>() {
+    return dispatch_activation(act, [&]<Activation A>() {
+      constexpr int kWide = 16 / sizeof(T);
+      const bool vec = H % kWide == 0 && aligned16(gu.data_ptr()) && aligned16(h.data_ptr());
+      const int64_t items = M * H / (vec ? kWide : 1);
+      const unsigned blocks = unsigned(std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(num_sms()) * 16));
+      // no biases and store=false: gu is only read
+      auto* gu_t = static_cast<T*>(gu.data_ptr());
+      auto* h_t = static_cast<T*>(h.data_ptr());
+      if (vec) gated_epilogue_kernel<T, A, kWide, false><<<blocks, kThreads, 0, stream>>>(gu_t, nullptr, nullptr, h_t, M, H);
+      else gated_epilogue_kernel<T, A, 1, false><<<blocks, kThreads, 0, stream>>>(gu_t, nullptr, nullptr, h_t, M, H);
+      return cudaGetLastError();
+    });
+  });
+  check_status(status, op);
+  return h;
+}
+
 TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
   m.def("gated_linear_act_fwd_cuda(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate_bias, "
         "Tensor? up_bias, int activation, bool store) -> (Tensor h, Tensor gu)");
+  m.def("gated_act_fwd_cuda(Tensor gu, int activation) -> Tensor h");
   m.def("gated_act_bwd_cuda(Tensor dh, Tensor gu, Tensor(a!) dgu, int activation, bool need_db) -> Tensor dbias");
 }
 TORCH_LIBRARY_IMPL(ampkernels, CUDA, m) {
   m.impl("gated_linear_act_fwd_cuda", &gated_linear_act_fwd);
+  m.impl("gated_act_fwd_cuda", &gated_act_fwd);
   m.impl("gated_act_bwd_cuda", &gated_act_bwd);
 }
 

@@ -3,9 +3,11 @@
     LayerNorm, RMSNorm      subclasses of torch.nn.LayerNorm / RMSNorm (same state_dict)
     Linear                  a torch.nn.Linear with a fused activation
     FusedMLP                a Sequential(Linear, activation, Linear) with a fused forward
+    FusedGatedMLP           LlamaMLP's gate_proj/up_proj/down_proj with a fused gated forward
+    FusedSwiGLU, FusedGluMlp  timm's SwiGLU / GluMlp (their state_dict keys), fused
     convert(model)          swaps norms and Linear->activation pairs in place, sharing weights
 """
 from .convert import ConvertReport, convert
-from .modules import FusedMLP, LayerNorm, Linear, RMSNorm
+from .modules import FusedGatedMLP, FusedGluMlp, FusedMLP, FusedSwiGLU, LayerNorm, Linear, RMSNorm
 
-__all__ = ["LayerNorm", "RMSNorm", "Linear", "FusedMLP", "convert", "ConvertReport"]
+__all__ = ["LayerNorm", "RMSNorm", "Linear", "FusedMLP", "FusedGatedMLP", "FusedSwiGLU", "FusedGluMlp", "convert", "ConvertReport"]

@@ -262,6 +262,31 @@ def _check_args(x, wg, wu, bg, bu):
             raise ValueError(f"gated_linear_act: {name} is on {t.device} but x is on {x.device}")
 
 
+def _prepare(op, x, params, activation, backend, recompute):
+    """The shared preamble of the functional APIs: (x2, params, cast_to, backend name, training).
+    params: (wg, wu, bg, bu[, more]); made contiguous when a kernel (or recompute) takes them."""
+    device = x.device
+    cast_to = None  # autocast's dtype when the parameters need F.linear's cast (fp32 master weights)
+    if torch.is_autocast_enabled(device.type):
+        x = x.to(torch.get_autocast_dtype(device.type))
+        if any(t is not None and t.dtype != x.dtype for t in params):
+            cast_to = x.dtype
+    elif any(t is not None and t.dtype != x.dtype for t in params):
+        names = ("x",) + _NAMES[1:] + ("down_weight", "down_bias")
+        got = ", ".join(f"{n} {None if t is None else t.dtype}" for n, t in zip(names, (x, *params)))
+        raise TypeError(f"{op}: x, the weights and the biases must share a dtype (as for F.linear), got {got}")
+    k, hidden = x.shape[-1], params[0].shape[0]
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, *params))
+    name = _choose(backend, device, x.dtype, activation, la.shape_bucket(x2.shape[0], 2 * hidden, k),
+                   training, unsupported)
+    if name != "torch" or recompute:  # the kernels' layout; a chunk of a packed weight stays a view
+        x2 = x2.contiguous()
+        params = tuple(None if t is None else t.contiguous() for t in params)
+    return x2, params, cast_to, name, training
+
+
 def gated_linear_act(x, gate_weight, up_weight, gate_bias=None, up_bias=None, activation="silu", *, backend=None,
                      recompute=False):
     """act(x @ gate_weight.T + gate_bias) * (x @ up_weight.T + up_bias) in one fused GEMM.
@@ -275,28 +300,10 @@ def gated_linear_act(x, gate_weight, up_weight, gate_bias=None, up_bias=None, ac
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_linear_act: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    wg, wu, bg, bu = gate_weight, up_weight, gate_bias, up_bias
-    _check_args(x, wg, wu, bg, bu)
-    params = (wg, wu, bg, bu)
-    device = x.device
-    cast_to = None  # autocast's dtype when the parameters need F.linear's cast (fp32 master weights)
-    if torch.is_autocast_enabled(device.type):
-        x = x.to(torch.get_autocast_dtype(device.type))
-        if any(t is not None and t.dtype != x.dtype for t in params):
-            cast_to = x.dtype
-    elif any(t is not None and t.dtype != x.dtype for t in params):
-        got = ", ".join(f"{n} {None if t is None else t.dtype}" for n, t in zip(_NAMES, (x, *params)))
-        raise TypeError(f"gated_linear_act: x, gate_weight, up_weight and the biases must share a dtype "
-                        f"(as for F.linear), got {got}")
-    k, hidden = x.shape[-1], wg.shape[0]
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    m = x2.shape[0]
-    unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, *params))
-    name = _choose(backend, device, x.dtype, activation, la.shape_bucket(m, 2 * hidden, k), training, unsupported)
-    if name != "torch" or recompute:  # the kernels' layout; a chunk of a packed weight stays a view
-        x2, wg, wu = x2.contiguous(), wg.contiguous(), wu.contiguous()
-        bg, bu = (None if b is None else b.contiguous() for b in (bg, bu))
+    _check_args(x, gate_weight, up_weight, gate_bias, up_bias)
+    hidden = gate_weight.shape[0]
+    x2, (wg, wu, bg, bu), cast_to, name, training = _prepare(
+        "gated_linear_act", x, (gate_weight, up_weight, gate_bias, up_bias), activation, backend, recompute)
     if training and (name != "torch" or recompute):
         h = GatedLinearActFunction.apply(x2, wg, wu, bg, bu, activation, name, recompute, cast_to)
     elif training or name == "torch":
@@ -309,3 +316,80 @@ def gated_linear_act(x, gate_weight, up_weight, gate_bias=None, up_bias=None, ac
             bg, bu = (None if b is None else b.to(cast_to) for b in (bg, bu))
         h, _ = _fwd(x2, wg, wu, bg, bu, activation, False, name)
     return h if x.dim() == 2 else h.reshape(*x.shape[:-1], hidden)
+
+
+# ---------------------------------------------------------------- the gated MLP block
+
+def gated_act(gu, activation, backend):
+    """h = act(g) * u from gu = [g | u] (M, 2H): the forward epilogue's formulas on the values it
+    stored, so h is the forward's h bit for bit (cuda, Triton)."""
+    hidden = gu.shape[1] // 2
+    if backend == "cuda":
+        return torch.ops.ampkernels.gated_act_fwd_cuda(gu, reference.activation_id(activation))
+    if backend == "triton":
+        from ..triton import gated_linear_act as tk
+        return tk.gated_act_forward(gu, reference.activation_id(activation))
+    return reference.gated_act_into(gu, activation, gu.new_empty(gu.shape[0], hidden))
+
+
+class GatedMLPFunction(torch.autograd.Function):
+    """down(act(x Wg^T + bg) * (x Wu^T + bu)) keeping x, the weights and gu only: h, the down
+    projection's input, is recomputed from gu in backward (one elementwise pass) and freed before
+    dh exists. Eager only (gated_mlp runs the unfused block under torch.compile)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, wg, wu, bg, bu, wd, bd, activation, backend, cast_to=None):
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (wg, wu, bg, bu, wd, bd))
+        if cast_to is not None:
+            wg, wu = _cast_weights(wg, wu, cast_to)
+            bg, bu, wd, bd = (None if t is None else t.to(cast_to) for t in (bg, bu, wd, bd))
+        h, gu = fwd_impl(x, wg, wu, bg, bu, activation, True, backend)
+        out = F.linear(h, wd, bd)
+        ctx.save_for_backward(x, wg, wu, wd, gu)
+        ctx.activation, ctx.backend = activation, backend
+        return out
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dout):
+        x, wg, wu, wd, gu = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dtypes = [dt if need[i + 1] else None for i, dt in enumerate(ctx.dtypes)]
+        dout = dout.contiguous()
+        # down projection: dWd from the recomputed h, freed before dh exists
+        h = gated_act(gu, ctx.activation, ctx.backend)
+        dwd = la.weight_grad(dout, h, dtypes[4]).to(dtypes[4]) if dtypes[4] is not None else None
+        del h
+        dbd = dout.sum(0, dtype=torch.float32).to(dtypes[5]) if dtypes[5] is not None else None
+        dh = dout.mm(wd)
+        dx, dwg, dwu, dbg, dbu = bwd_impl(dh, x, wg, wu, gu, ctx.activation, need[0], *dtypes[:4], ctx.backend,
+                                          inplace=mlp._dies_with_this_backward(gu))
+        grads = [g if dt is not None else None for g, dt in zip((dwg, dwu, dbg, dbu), dtypes)]
+        return (dx if need[0] else None, *grads, dwd, dbd, None, None, None)
+
+
+def gated_mlp(x, gate_weight, up_weight, gate_bias, up_bias, down_weight, down_bias, activation="silu", *,
+              backend=None):
+    """F.linear(gated_linear_act(x, ...), down_weight, down_bias), keeping for backward only x, the
+    weights and the (M, 2H) buffer of g and u: the down projection's input h is recomputed from
+    them (eager training on the kernels). Otherwise -- inference, the torch path, torch.compile --
+    it is gated_linear_act followed by F.linear."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gated_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_args(x, gate_weight, up_weight, gate_bias, up_bias)
+    if down_weight.dim() != 2 or down_weight.shape[1] != gate_weight.shape[0]:
+        raise ValueError(f"gated_mlp: down_weight must be (N, {gate_weight.shape[0]}), got {tuple(down_weight.shape)}")
+    if down_bias is not None and tuple(down_bias.shape) != (down_weight.shape[0],):
+        raise ValueError(f"gated_mlp: down_bias must have shape ({down_weight.shape[0]},), got "
+                         f"{tuple(down_bias.shape)}")
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        h = gated_linear_act(x, gate_weight, up_weight, gate_bias, up_bias, activation, backend=backend)
+        return F.linear(h, down_weight, down_bias)
+    params = (gate_weight, up_weight, gate_bias, up_bias, down_weight, down_bias)
+    x2, params, cast_to, name, training = _prepare("gated_mlp", x, params, activation, backend, False)
+    if name == "torch" or not training or not la.eager_call(x2, *params):
+        h = gated_linear_act(x, gate_weight, up_weight, gate_bias, up_bias, activation, backend=backend)
+        return F.linear(h, down_weight, down_bias)
+    out = GatedMLPFunction.apply(x2, *params, activation, name, cast_to)
+    return out.reshape(*x.shape[:-1], down_weight.shape[0])

@@ -174,3 +174,27 @@ def gated_act_backward(dh, gu, dgu, act_id, want_dbias):
         launch(_gated_bwd_kernel, grid, dh, gu, dgu, part, M, H, ACT=act_id, WANT_PARTIAL=want_dbias,
                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SUB_M=SUB_M, num_warps=4)
     return part.sum(0) if want_dbias else None
+
+
+@triton.jit
+def _gated_act_fwd_kernel(gu_ptr, h_ptr, M, H, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < H)
+    row = offs_m[:, None].to(tl.int64)
+    g = tl.load(gu_ptr + row * (2 * H) + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * (2 * H) + H + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = _act_fwd(g, ACT) * u  # the forward epilogue's formula on the values it stored: its bits
+    tl.store(h_ptr + row * H + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_act_forward(gu, act_id):
+    """h = act(g) * u (M, H) from a contiguous gu = [g | u] (M, 2H), as the forward computed it."""
+    M, H = gu.shape[0], gu.shape[1] // 2
+    h = torch.empty((M, H), dtype=gu.dtype, device=gu.device)
+    if M and H:
+        BLOCK_M, BLOCK_N = (32, 32) if _INTERPRET else (16, 256)
+        with on_device(gu):
+            launch(_gated_act_fwd_kernel, (cdiv(M, BLOCK_M), cdiv(H, BLOCK_N)), gu, h, M, H, ACT=act_id,
+                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4)
+    return h
