@@ -11,8 +11,8 @@ Recognised (anything else is left untouched):
   used transposed, no copy). The projection becomes fused and the activation attribute becomes nn.Identity.
 - timm's Mlp and subclasses (fc1 -> act -> drop1 -> norm -> fc2): fc1 + act -> ampkernels.nn.Linear(activation=...),
   act -> nn.Identity (drop1 and norm come after the activation and stay as they are).
-- Gated MLPs (SwiGLU / GeGLU), whole: Hugging Face LLaMA-style MLPs (recognised by structure:
-  exactly gate_proj, up_proj, down_proj nn.Linears and an act_fn of SiLU / GELU / tanh GELU:
+- Gated MLPs (SwiGLU / GeGLU), whole: LLaMA-style MLPs (recognised by structure: exactly
+  gate_proj, up_proj, down_proj nn.Linears and an act_fn of SiLU / GELU / tanh GELU, as Hugging Face's
   LlamaMLP, MistralMLP, Qwen2MLP, Qwen3MLP, GemmaMLP, ...) -> ampkernels.nn.FusedGatedMLP; timm's
   SwiGLU -> FusedSwiGLU and GluMlp -> FusedGluMlp (identity norm and p=0 dropout before fc2 only).
   Each keeps the original's children, so state_dict keys are unchanged; each swap is probed.
@@ -431,8 +431,8 @@ def _gated_builder(m):
     if isinstance(m, (FusedGatedMLP, FusedSwiGLU, FusedGluMlp)):
         return None
     linear = lambda *ms: all(type(c) is torch.nn.Linear for c in ms)  # noqa: E731
-    if type(m).__module__.startswith("transformers.") and set(m._modules) == {"gate_proj", "up_proj", "down_proj",
-                                                                              "act_fn"}:
+    # by structure (HF LlamaMLP and its copies, or anyone's module shaped so): the probe checks the forward
+    if set(m._modules) == {"gate_proj", "up_proj", "down_proj", "act_fn"}:
         if not linear(m.gate_proj, m.up_proj, m.down_proj):
             return "gated MLP whose projections are not nn.Linear"
         activation = _gated_activation(m.act_fn)
