@@ -401,6 +401,22 @@ def test_compile_fullgraph_cpu(backend, recompute):
     assert all(t.grad is not None for t in (x, wg, wu, bg, bu))
 
 
+@cpu_triton
+def test_benchmark_runs_and_reports(tmp_path):
+    # the benchmark's code path on a tiny CPU shape (numbers meaningless), then its report
+    from ampkernels.bench import bench_gated_linear_act as bg
+    from ampkernels.bench.common import Recorder
+    rec = Recorder(str(tmp_path))
+    bg.run(rec, [torch.float16], quick=True, device="cpu", shapes=[(32, 32, 48)])
+    providers = {r["provider"] for r in rec.rows}
+    assert "error" not in providers, [r for r in rec.rows if r["provider"] == "error"]
+    assert {"matmul", "eager", "ampkernels-triton"} <= providers
+    assert all(r.get("rel_err", 0) < 1e-2 for r in rec.rows), rec.rows
+    lines = bg.report(rec.rows)
+    assert any("of the packed matmul's speed [ampkernels-triton]" in line for line in lines), lines
+    assert any("x eager (>= 1.0)" in line for line in lines), lines
+
+
 # ---------------------------------------------------------------- GPU tier
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]

@@ -24,6 +24,7 @@ from . import providers
 from .common import Recorder, bench, environment
 
 MODULES = {"layer_norm": "bench_layer_norm", "rms_norm": "bench_layer_norm", "linear_act": "bench_linear_act",
+           "gated_linear_act": "bench_gated_linear_act",
            "mlp": "bench_mlp", "e2e": "bench_e2e", "host": "bench_host"}
 # ops with a CPU version of their own (without a GPU, the others share cpu_demo)
 CPU_OWN = ("e2e", "host")
@@ -69,7 +70,7 @@ def _shapes_for(module, specs):
     """--shapes parsed for one benchmark module: the specs of its form (N, MxKxN or TxH)."""
     if not specs:
         return None
-    dims = {"bench_layer_norm": 1, "bench_linear_act": 3, "bench_mlp": 2}.get(module)
+    dims = {"bench_layer_norm": 1, "bench_linear_act": 3, "bench_gated_linear_act": 3, "bench_mlp": 2}.get(module)
     parsed = [tuple(int(d) for d in s.lower().split("x")) for s in specs]
     mine = [p for p in parsed if len(p) == dims]
     return [p[0] for p in mine] if dims == 1 else mine or None
@@ -84,7 +85,8 @@ def main(argv=None):
     p.add_argument("--plot", action="store_true", help="also draw PNG plots into --out (needs matplotlib)")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
                    help="instead of each op's default list: N for layer_norm/rms_norm (rows = 2^27 / N), "
-                        "MxKxN for linear_act, TxH (tokens x hidden) for mlp; e2e keeps its model")
+                        "MxKxN for linear_act, TxKxH for gated_linear_act, TxH (tokens x hidden) for mlp; "
+                        "e2e keeps its model")
     from . import bench_e2e
     bench_e2e.add_arguments(p)
     args = p.parse_args(argv)
