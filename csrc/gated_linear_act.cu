@@ -175,7 +175,8 @@ std::tuple<at::Tensor, at::Tensor> gated_linear_act_fwd(const at::Tensor& x, con
   at::Tensor gu = at::empty({M, 2 * H}, x.options());
   const auto empty_gu = [&] { return store ? gu : at::empty({0, 0}, x.options()); };
   if (M == 0 || H == 0) return {h, empty_gu()};
-  const bool packed = wu.storage().is_alias_of(wg.storage()) && wu.storage_offset() == wg.storage_offset() + wg.numel();
+  const bool packed =
+      wu.storage().is_alias_of(wg.storage()) && wu.storage_offset() == wg.storage_offset() + wg.numel();
   if (packed) {
     at::mm_out(gu, x, wg.as_strided({2 * H, wg.size(1)}, {wg.size(1), 1}).t());
   } else {  // each GEMM writes its half in place (row stride 2H)
@@ -192,15 +193,19 @@ std::tuple<at::Tensor, at::Tensor> gated_linear_act_fwd(const at::Tensor& x, con
       const bool vec = H % kWide == 0 && aligned16(gu.data_ptr()) && aligned16(h.data_ptr()) && aligned16(bg_ptr) &&
                        aligned16(bu_ptr);
       const int64_t items = M * H / (vec ? kWide : 1);
-      const unsigned blocks = unsigned(std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(num_sms()) * 16));
+      const unsigned blocks =
+          unsigned(std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(num_sms()) * 16));
       auto* gu_t = static_cast<T*>(gu.data_ptr());
       auto* bg_t = static_cast<const T*>(bg_ptr);
       auto* bu_t = static_cast<const T*>(bu_ptr);
       auto* h_t = static_cast<T*>(h.data_ptr());
-      if (vec && store) gated_epilogue_kernel<T, A, kWide, true><<<blocks, kThreads, 0, stream>>>(gu_t, bg_t, bu_t, h_t, M, H);
-      if (vec && !store) gated_epilogue_kernel<T, A, kWide, false><<<blocks, kThreads, 0, stream>>>(gu_t, bg_t, bu_t, h_t, M, H);
-      if (!vec && store) gated_epilogue_kernel<T, A, 1, true><<<blocks, kThreads, 0, stream>>>(gu_t, bg_t, bu_t, h_t, M, H);
-      if (!vec && !store) gated_epilogue_kernel<T, A, 1, false><<<blocks, kThreads, 0, stream>>>(gu_t, bg_t, bu_t, h_t, M, H);
+      const auto run = [&]<int kV, bool kS>() {
+        gated_epilogue_kernel<T, A, kV, kS><<<blocks, kThreads, 0, stream>>>(gu_t, bg_t, bu_t, h_t, M, H);
+      };
+      if (vec && store) run.template operator()<kWide, true>();
+      if (vec && !store) run.template operator()<kWide, false>();
+      if (!vec && store) run.template operator()<1, true>();
+      if (!vec && !store) run.template operator()<1, false>();
       return cudaGetLastError();
     });
   });
@@ -242,7 +247,8 @@ at::Tensor gated_act_bwd(const at::Tensor& dh, const at::Tensor& gu, const at::T
       const int64_t chunks = std::clamp<int64_t>(std::min(want, (M + kRowsPerStep - 1) / kRowsPerStep), 1, 1024);
       const int64_t rows_per_chunk = (M + chunks - 1) / chunks;
       const int64_t used_chunks = (M + rows_per_chunk - 1) / rows_per_chunk;
-      const dim3 grid{unsigned(col_blocks), unsigned(used_chunks)}, block{unsigned(kColThreads), unsigned(kRowsPerStep)};
+      const dim3 grid{unsigned(col_blocks), unsigned(used_chunks)};
+      const dim3 block{unsigned(kColThreads), unsigned(kRowsPerStep)};
       const auto* dh_t = static_cast<const T*>(dh.data_ptr());
       const auto* gu_t = static_cast<const T*>(gu.data_ptr());
       auto* dgu_t = static_cast<T*>(dgu.data_ptr());
@@ -251,10 +257,13 @@ at::Tensor gated_act_bwd(const at::Tensor& dh, const at::Tensor& gu, const at::T
         partial = at::empty({used_chunks, 2 * H}, dh.options().dtype(at::kFloat));
         part = partial.data_ptr<float>();
       }
-      if (vec && need_db) gated_backward_kernel<T, A, kWide, true><<<grid, block, 0, stream>>>(dh_t, gu_t, dgu_t, part, M, H, rows_per_chunk);
-      if (vec && !need_db) gated_backward_kernel<T, A, kWide, false><<<grid, block, 0, stream>>>(dh_t, gu_t, dgu_t, part, M, H, rows_per_chunk);
-      if (!vec && need_db) gated_backward_kernel<T, A, 1, true><<<grid, block, 0, stream>>>(dh_t, gu_t, dgu_t, part, M, H, rows_per_chunk);
-      if (!vec && !need_db) gated_backward_kernel<T, A, 1, false><<<grid, block, 0, stream>>>(dh_t, gu_t, dgu_t, part, M, H, rows_per_chunk);
+      const auto run = [&]<int kV, bool kDb>() {
+        gated_backward_kernel<T, A, kV, kDb><<<grid, block, 0, stream>>>(dh_t, gu_t, dgu_t, part, M, H, rows_per_chunk);
+      };
+      if (vec && need_db) run.template operator()<kWide, true>();
+      if (vec && !need_db) run.template operator()<kWide, false>();
+      if (!vec && need_db) run.template operator()<1, true>();
+      if (!vec && !need_db) run.template operator()<1, false>();
       cudaError_t err = cudaGetLastError();
       if (err == cudaSuccess && need_db)
         err = reduce_partials(part, db.data_ptr(), int(used_chunks), 2 * H, DType::kFloat32, stream);
@@ -284,12 +293,15 @@ at::Tensor gated_act_fwd(const at::Tensor& gu, int64_t activation) {
       constexpr int kWide = 16 / sizeof(T);
       const bool vec = H % kWide == 0 && aligned16(gu.data_ptr()) && aligned16(h.data_ptr());
       const int64_t items = M * H / (vec ? kWide : 1);
-      const unsigned blocks = unsigned(std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(num_sms()) * 16));
+      const unsigned blocks =
+          unsigned(std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(num_sms()) * 16));
       // no biases and store=false: gu is only read
       auto* gu_t = static_cast<T*>(gu.data_ptr());
       auto* h_t = static_cast<T*>(h.data_ptr());
-      if (vec) gated_epilogue_kernel<T, A, kWide, false><<<blocks, kThreads, 0, stream>>>(gu_t, nullptr, nullptr, h_t, M, H);
-      else gated_epilogue_kernel<T, A, 1, false><<<blocks, kThreads, 0, stream>>>(gu_t, nullptr, nullptr, h_t, M, H);
+      if (vec)
+        gated_epilogue_kernel<T, A, kWide, false><<<blocks, kThreads, 0, stream>>>(gu_t, nullptr, nullptr, h_t, M, H);
+      else
+        gated_epilogue_kernel<T, A, 1, false><<<blocks, kThreads, 0, stream>>>(gu_t, nullptr, nullptr, h_t, M, H);
       return cudaGetLastError();
     });
   });

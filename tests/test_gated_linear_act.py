@@ -536,6 +536,7 @@ def test_gpu_gated_mlp_saves_less_than_eager():
         used = torch.cuda.memory_allocated() - before
         out.float().sum().backward()
         return used
+    saved_bytes(lambda: mod(x)), saved_bytes(eager)  # warm-up: cuBLAS workspaces, autotuning
     ours, theirs = saved_bytes(lambda: mod(x)), saved_bytes(eager)
     hidden = 4096 * 2816 * 2
     assert ours <= 2 * hidden + 4096 * 1024 * 2 * 2, ours / hidden

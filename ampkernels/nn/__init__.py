@@ -10,4 +10,5 @@
 from .convert import ConvertReport, convert
 from .modules import FusedGatedMLP, FusedGluMlp, FusedMLP, FusedSwiGLU, LayerNorm, Linear, RMSNorm
 
-__all__ = ["LayerNorm", "RMSNorm", "Linear", "FusedMLP", "FusedGatedMLP", "FusedSwiGLU", "FusedGluMlp", "convert", "ConvertReport"]
+__all__ = ["LayerNorm", "RMSNorm", "Linear", "FusedMLP", "FusedGatedMLP", "FusedSwiGLU", "FusedGluMlp", "convert",
+           "ConvertReport"]
