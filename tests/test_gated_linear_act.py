@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import ampkernels
 import ampkernels.nn
-from ampkernels import backends, reference
+from ampkernels import _extension, backends, reference
 from ampkernels.ops import gated_linear_act as gla
 from tests.utils import assert_rel_close, randn
 
@@ -417,6 +417,15 @@ def test_benchmark_runs_and_reports(tmp_path):
     assert any("x eager (>= 1.0)" in line for line in lines), lines
 
 
+needs_ext = pytest.mark.skipif(not _extension.load(), reason=f"extension not built: {_extension.status()[1]}")
+
+
+@needs_ext
+@pytest.mark.parametrize("name", ["gated_linear_act_fwd_cuda", "gated_act_fwd_cuda", "gated_act_bwd_cuda"])
+def test_extension_schemas(name):
+    assert getattr(torch.ops.ampkernels, name).default._schema.name == f"ampkernels::{name}"
+
+
 # ---------------------------------------------------------------- GPU tier
 
 GPU_DTYPES = [torch.float16, torch.bfloat16]
@@ -541,3 +550,29 @@ def test_gpu_gated_mlp_saves_less_than_eager():
     hidden = 4096 * 2816 * 2
     assert ours <= 2 * hidden + 4096 * 1024 * 2 * 2, ours / hidden
     assert theirs >= 4 * hidden, theirs / hidden
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_converted_timm_gated_blocks_match_under_autocast(backend, dtype):
+    timm_layers = pytest.importorskip("timm.layers")
+    import copy
+    blocks = [timm_layers.SwiGLU(256, 704), timm_layers.GluMlp(256, 1408, act_layer=torch.nn.SiLU, gate_last=False),
+              timm_layers.GluMlp(256, 1408, act_layer=torch.nn.GELU)]
+    for blk in blocks:
+        ref = torch.nn.Sequential(blk).cuda()
+        model = copy.deepcopy(ref)
+        _, report = ampkernels.nn.convert(model, backend=backend)
+        assert len(report.replaced) == 1, str(report)
+        x = randn(3, 77, 256, device="cuda")
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=dtype):
+            out, want = model(xa), ref(xb)
+        assert_rel_close(out.float(), want.double(), dtype, factor=2)
+        out.float().sum().backward()
+        want.float().sum().backward()
+        assert_rel_close(xa.grad, xb.grad.double(), dtype, factor=4, what="dx")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad.dtype == torch.float32, name
+            assert_rel_close(p.grad, q.grad.double(), dtype, factor=4, what=name)

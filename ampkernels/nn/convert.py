@@ -17,7 +17,7 @@ Recognised (anything else is left untouched):
   SwiGLU -> FusedSwiGLU and GluMlp -> FusedGluMlp (identity norm and p=0 dropout before fc2 only).
   Each keeps the original's children, so state_dict keys are unchanged; each swap is probed.
 
-The probe: a norm, or a timm Mlp, is only swapped after a copy of it (fp32, random parameters,
+The probe: a norm, a timm Mlp or a gated MLP is only swapped after a copy of it (fp32, random parameters,
 on its own device) and the swapped copy give the same output (1e-5 of the output's largest
 magnitude) on random fp32 inputs, the RNG replayed for each so that dropout draws the same
 mask. The class name alone is never trusted: a subclass whose forward computes something
