@@ -11,6 +11,9 @@ Contract (docs/design.md, "Op semantics"):
   x.dtype.
 - linear_act: y = act(x @ weight.T + bias) accumulated in fp32, returned in x.dtype; the
   pre-activation (what backward needs) is x @ weight.T + bias rounded to x.dtype.
+- gated_linear_act: h = act(g) * u with g = x @ gate_weight.T + gate_bias and
+  u = x @ up_weight.T + up_bias accumulated in fp32, each rounded to x.dtype (what backward
+  reads), act(g) * u in fp32, returned in x.dtype.
 """
 import math
 
@@ -227,3 +230,48 @@ def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, label_
     if reduction == "none":
         return per.reshape(target.shape)
     return per.sum() if reduction == "sum" else per.sum() / valid.sum().to(ct)
+
+
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # SwiGLU, GeGLU (erf), GeGLU (tanh)
+
+
+def gated_act(g, u, activation):
+    """act(g) * u in fp32 (float64 for float64), returned in g.dtype."""
+    ct = _compute_dtype(g)
+    return (act_fwd(g.to(ct), activation) * u.to(ct)).to(g.dtype)
+
+
+def gated_act_backward(dh, g, u, activation):
+    """(dg, du) = (dh * u * act'(g), dh * act(g)) in fp32, returned in dh.dtype."""
+    ct = _compute_dtype(dh)
+    dh32, g32 = dh.to(ct), g.to(ct)
+    return (dh32 * u.to(ct) * act_grad(g32, activation)).to(dh.dtype), (dh32 * act_fwd(g32, activation)).to(dh.dtype)
+
+
+def gated_act_into(gu, activation, out):
+    """out = gated_act(g, u) for gu = [g | u] (M, 2H), block by block (no full-size fp32 temporaries)."""
+    hidden = out.shape[1]
+    for s, e in row_blocks(out):
+        out[s:e].copy_(gated_act(gu[s:e, :hidden], gu[s:e, hidden:], activation))
+    return out
+
+
+def gated_act_backward_into(dh, gu, activation, out):
+    """out = [dg | du] (M, 2H) from dh (M, H) and gu = [g | u], block by block; out may be gu
+    itself (each block is read before it is written)."""
+    hidden = dh.shape[1]
+    for s, e in row_blocks(dh):
+        dg, du = gated_act_backward(dh[s:e], gu[s:e, :hidden], gu[s:e, hidden:], activation)
+        out[s:e, :hidden].copy_(dg)
+        out[s:e, hidden:].copy_(du)
+    return out
+
+
+def gated_linear_act(x, gate_weight, up_weight, gate_bias=None, up_bias=None, activation="silu"):
+    """act(x @ gate_weight.T + gate_bias) * (x @ up_weight.T + up_bias), accumulated in fp32
+    (float64 for float64), returned in x.dtype."""
+    ct = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        g = F.linear(x.to(ct), gate_weight.to(ct), None if gate_bias is None else gate_bias.to(ct))
+        u = F.linear(x.to(ct), up_weight.to(ct), None if up_bias is None else up_bias.to(ct))
+    return (act_fwd(g, activation) * u).to(x.dtype)

@@ -189,6 +189,7 @@ def launch_everything(max_shared):
     every constexpr branch at least once (not every combination: each compile takes seconds).
     max_shared: the GPU's shared memory per block, which the norm backward's fit plans for."""
     from ampkernels.reference import ACTIVATIONS
+    from ampkernels.triton import gated_linear_act as tga
     from ampkernels.triton import layer_norm as tln
     from ampkernels.triton import linear_act as tla
     from ampkernels.triton import linear_cross_entropy as tlce
@@ -215,6 +216,18 @@ def launch_everything(max_shared):
             for act_id in range(len(ACTIVATIONS)):
                 tla.linear_act_fwd(x, w, bias, act_id, True, tma=True, pingpong=True)
             tla.linear_act_fwd(x, w, None, gelu, False, tma=True, pingpong=True)
+        # gated_linear_act, every autotune config: erf GELU with both biases and g|u stored (the
+        # heaviest epilogue); then the other activations, no biases, inference
+        h, gu = empty(256, 384, dtype=dtype), empty(256, 768, dtype=dtype)
+        tga.gated_linear_act_fwd(x, w, w, bias, bias, gelu, True)
+        if dtype == torch.bfloat16:
+            for name in ("silu", "gelu_tanh"):
+                tga.gated_linear_act_fwd(x, w, w, None, bias, ACTIVATIONS.index(name), True)
+            tga.gated_linear_act_fwd(x, w, w, None, None, gelu, False)
+            for name in ("silu", "gelu", "gelu_tanh"):
+                tga.gated_act_backward(h, gu, gu, ACTIVATIONS.index(name), True)
+                tga.gated_act_forward(gu, ACTIVATIONS.index(name))
+            tga.gated_act_backward(h, gu, gu, gelu, False)
         if dtype == torch.float16:
             continue  # the branches below do not depend on the dtype
         # every other activation, no bias / no pre (first config)

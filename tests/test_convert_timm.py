@@ -134,15 +134,16 @@ def test_mlp_dropout_after_the_activation_still_fuses_fc1():
 
 
 def test_mlps_left_alone_with_reasons():
-    model = torch.nn.Sequential(GluMlp(16, 64), SwiGLU(16, 32), Mlp(16, 32, act_layer=torch.nn.Tanh),
+    model = torch.nn.Sequential(GluMlp(16, 64), SwiGLU(16, 32, drop=0.1), Mlp(16, 32, act_layer=torch.nn.Tanh),
                                 Mlp(16, 32, use_conv=True), Mlp(16, 32))
     model[4].fc1.register_forward_pre_hook(lambda *a: None)
     before = copy.deepcopy(model)
     _, report = aknn.convert(model)
     assert report.replaced == []
     assert [(k.path, k.cls, k.reason) for k in report.skipped] == [
-        ("0", "timm.layers.mlp.GluMlp", "gated MLP: no fused op yet"),
-        ("1", "timm.layers.mlp.SwiGLU", "gated MLP: no fused op yet"),
+        ("0", "timm.layers.mlp.GluMlp",
+         "gated MLP with activation torch.nn.modules.activation.Sigmoid: no fused equivalent"),
+        ("1", "timm.layers.mlp.SwiGLU", "gated MLP with dropout before fc2: not fused"),
         ("2", "timm.layers.mlp.Mlp", "activation torch.nn.modules.activation.Tanh: no fused equivalent"),
         ("3", "timm.layers.mlp.Mlp", "fc1 is Conv2d (use_conv=True or custom): no fused op for it"),
         ("4", "timm.layers.mlp.Mlp", "Linear has hooks, which a swap would drop")]
@@ -150,6 +151,7 @@ def test_mlps_left_alone_with_reasons():
     for a, b in zip(model.modules(), before.modules()):
         assert type(a) is type(b)
     x = torch.randn(2, 5, 16)
+    model.eval(), before.eval()
     for m, b in zip(model[:3], before[:3]):
         assert torch.equal(m(x), b(x))
 

@@ -104,7 +104,7 @@ def _tiny_models():
 EXPECTED = {  # what convert() must find in the 2-layer configs above
     "bert": {"LayerNorm": 6, "Linear": 3},     # embeddings + 2 per layer + MLM head; 2 intermediates + head
     "gpt2": {"LayerNorm": 5, "Conv1DAct": 2},  # ln_1, ln_2 per layer + ln_f; c_fc per layer
-    "llama": {"RMSNorm": 5, "Linear": 2},      # 2 per layer + final norm; gate_proj per layer
+    "llama": {"RMSNorm": 5, "FusedGatedMLP": 2},  # 2 per layer + final norm; the gated MLP per layer
 }
 
 

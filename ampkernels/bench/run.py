@@ -24,8 +24,8 @@ from . import providers
 from .common import Recorder, bench, environment
 
 MODULES = {"layer_norm": "bench_layer_norm", "rms_norm": "bench_layer_norm", "linear_act": "bench_linear_act",
-           "linear_cross_entropy": "bench_linear_cross_entropy", "mlp": "bench_mlp", "e2e": "bench_e2e",
-           "host": "bench_host"}
+           "linear_cross_entropy": "bench_linear_cross_entropy", "gated_linear_act": "bench_gated_linear_act",
+           "mlp": "bench_mlp", "e2e": "bench_e2e", "host": "bench_host"}
 # ops with a CPU version of their own (without a GPU, the others share cpu_demo)
 CPU_OWN = ("e2e", "host")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -76,7 +76,7 @@ def _shapes_for(module, specs):
     if not specs:
         return None
     dims = {"bench_layer_norm": 1, "bench_linear_act": 3, "bench_linear_cross_entropy": 3,
-            "bench_mlp": 2}.get(module)
+            "bench_gated_linear_act": 3, "bench_mlp": 2}.get(module)
     parsed = [tuple(int(d) for d in s.lower().split("x")) for s in specs]
     mine = [p for p in parsed if len(p) == dims]
     return [p[0] for p in mine] if dims == 1 else mine or None
@@ -91,7 +91,8 @@ def main(argv=None):
     p.add_argument("--plot", action="store_true", help="also draw PNG plots into --out (needs matplotlib)")
     p.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE",
                    help="instead of each op's default list: N for layer_norm/rms_norm (rows = 2^27 / N), "
-                        "MxKxN for linear_act, TxHxV for linear_cross_entropy, TxH (tokens x hidden) for mlp; "
+                        "MxKxN for linear_act, TxHxV for linear_cross_entropy, TxKxH for gated_linear_act, "
+                        "TxH (tokens x hidden) for mlp; "
                         "e2e keeps its model")
     from . import bench_e2e
     bench_e2e.add_arguments(p)

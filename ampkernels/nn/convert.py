@@ -10,8 +10,7 @@ Recognised (anything else is left untouched):
   -> ampkernels.nn.Linear(activation=...) and the activation slot -> nn.Identity.
 - Hugging Face MLPs whose forward applies the activation straight to one projection:
   BertIntermediate (dense -> intermediate_act_fn), BertPredictionHeadTransform, GPT2MLP (c_fc -> act; Conv1D weights are
-  used transposed, no copy), LLaMA-style MLPs (gate_proj -> act_fn). The projection
-  becomes fused and the activation attribute becomes nn.Identity.
+  used transposed, no copy). The projection becomes fused and the activation attribute becomes nn.Identity.
 - Hugging Face MLPs without a gate (T5DenseActDense and its copies, GPT-NeoX, Falcon, Phi,
   CodeGen, GPT-J, GPT-Neo; _HF_PLAIN_MLPS): projection (nn.Linear, a subclass such as FalconLinear,
   or Conv1D) + activation fused once the probe shows the whole MLP unchanged; an activation with
@@ -19,8 +18,13 @@ Recognised (anything else is left untouched):
   between a Linear and its activation is reported (not fused).
 - timm's Mlp and subclasses (fc1 -> act -> drop1 -> norm -> fc2): fc1 + act -> ampkernels.nn.Linear(activation=...),
   act -> nn.Identity (drop1 and norm come after the activation and stay as they are).
+- Gated MLPs (SwiGLU / GeGLU), whole: LLaMA-style MLPs (recognised by structure: exactly
+  gate_proj, up_proj, down_proj nn.Linears and an act_fn of SiLU / GELU / tanh GELU, as Hugging Face's
+  LlamaMLP, MistralMLP, Qwen2MLP, Qwen3MLP, GemmaMLP, ...) -> ampkernels.nn.FusedGatedMLP; timm's
+  SwiGLU -> FusedSwiGLU and GluMlp -> FusedGluMlp (identity norm and p=0 dropout before fc2 only).
+  Each keeps the original's children, so state_dict keys are unchanged; each swap is probed.
 
-The probe: a norm, or a timm Mlp, is only swapped after a copy of it (fp32, random parameters,
+The probe: a norm, a timm Mlp or a gated MLP is only swapped after a copy of it (fp32, random parameters,
 on its own device) and the swapped copy give the same output (1e-5 of the output's largest
 magnitude) on random fp32 inputs, the RNG replayed for each so that dropout draws the same
 mask. The class name alone is never trusted: a subclass whose forward computes something
@@ -37,8 +41,9 @@ import dataclasses
 
 import torch
 
+from ..ops.gated_linear_act import ACTIVATIONS as GATED_ACTIVATIONS
 from ..ops.linear_act import linear_act
-from .modules import LayerNorm, Linear, OffsetRMSNorm, RMSNorm
+from .modules import FusedGatedMLP, FusedGluMlp, FusedSwiGLU, LayerNorm, Linear, OffsetRMSNorm, RMSNorm
 
 
 def activation_name(module):
@@ -342,9 +347,6 @@ _HF_MLPS = (
     ("RobertaIntermediate", "dense", "intermediate_act_fn"),
     ("BertPredictionHeadTransform", "dense", "transform_act_fn"),
     ("GPT2MLP", "c_fc", "act"),
-    ("LlamaMLP", "gate_proj", "act_fn"),
-    ("MistralMLP", "gate_proj", "act_fn"),
-    ("Qwen2MLP", "gate_proj", "act_fn"),
 )
 
 
@@ -479,6 +481,8 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
     model_order = {path: i for i, (path, _) in enumerate(model.named_modules())}
     if norms and _norm_builder(model) is not None:
         raise ValueError("convert() swaps submodules; wrap a bare norm in a container or use ampkernels.nn directly")
+    if linears:
+        _convert_gated_mlps(model, backend, report)
     for path, parent in list(model.named_modules()):
         prefix = f"{path}." if path else ""
         if linears and isinstance(parent, torch.nn.Sequential) and type(parent) is torch.nn.Sequential:
@@ -517,9 +521,7 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
             else:
                 report.add(prefix + plain[0], old, new)
         kind = _timm_mlp_kind(parent) if linears else None
-        if kind == "gated":
-            report.skip(path, parent, "gated MLP: no fused op yet")
-        elif kind == "mlp":
+        if kind == "mlp":  # gated ones: _convert_gated_mlps
             old = parent.fc1
             new = _fuse_timm_mlp(parent, backend)
             if isinstance(new, str):
@@ -540,6 +542,79 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
     if verbose:
         print(report)
     return model, report
+
+
+# ------------------------------------------------------------------ gated MLPs (SwiGLU / GeGLU)
+
+def _gated_activation(act):
+    name = activation_name(act)
+    return name if name in GATED_ACTIVATIONS else None
+
+
+def _is_p0_dropout(m):
+    return type(m) is torch.nn.Identity or (type(m) is torch.nn.Dropout and m.p == 0)
+
+
+def _gated_builder(m):
+    """None if `m` is no gated MLP convert knows; else (builder, in_features) or the reason (a str)
+    to leave it. builder(module, backend) returns the fused module sharing module's children."""
+    if isinstance(m, (FusedGatedMLP, FusedSwiGLU, FusedGluMlp)):
+        return None
+    linear = lambda *ms: all(type(c) is torch.nn.Linear for c in ms)  # noqa: E731
+    # by structure (HF LlamaMLP and its copies, or anyone's module shaped so): the probe checks the forward
+    if set(m._modules) == {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+        if not linear(m.gate_proj, m.up_proj, m.down_proj):
+            return "gated MLP whose projections are not nn.Linear"
+        activation = _gated_activation(m.act_fn)
+        if activation is None:
+            return f"gated MLP with activation {_qualified_name(type(m.act_fn))}: no fused equivalent"
+
+        def build(old, backend):
+            new = FusedGatedMLP(1, 1, 1, activation, device="meta", backend=backend)
+            new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
+            return new
+        return build, m.gate_proj.in_features
+    if _timm_mlp_kind(m) != "gated":
+        return None
+    swiglu = any(t.__name__ == "SwiGLU" for t in type(m).__mro__ if t.__module__.startswith("timm."))
+    fcs = (m.fc1_g, m.fc1_x, m.fc2) if swiglu else (m.fc1, m.fc2)
+    if not linear(*fcs):
+        return "gated MLP whose projections are not nn.Linear (use_conv=True or custom)"
+    activation = _gated_activation(m.act)
+    if activation is None:
+        return f"gated MLP with activation {_qualified_name(type(m.act))}: no fused equivalent"
+    if type(m.norm) is not torch.nn.Identity:
+        return f"gated MLP with a norm ({type(m.norm).__name__}) before fc2: not fused"
+    if not _is_p0_dropout(m.drop1):
+        return "gated MLP with dropout before fc2: not fused"
+    if swiglu:
+        return (lambda old, backend: FusedSwiGLU(old.fc1_g, old.fc1_x, old.fc2, old.drop2, activation, backend=backend),
+                m.fc1_g.in_features)
+    return (lambda old, backend: FusedGluMlp(old.fc1, old.fc2, old.drop2, activation, old.gate_last, backend=backend),
+            m.fc1.in_features)
+
+
+def _convert_gated_mlps(model, backend, report):
+    """Swap every recognised gated MLP under `model` whole (before the per-projection pass, which
+    then meets only the fused modules)."""
+    if _gated_builder(model) is not None:
+        report.skip("", model, "gated MLP at the model's root: convert swaps submodules")
+    for path, parent in list(model.named_modules()):
+        prefix = f"{path}." if path else ""
+        for name, child in list(parent.named_children()):
+            found = _gated_builder(child)
+            if found is None:
+                continue
+            reason = found if isinstance(found, str) else None
+            if reason is None:
+                build, features = found
+                reason = _hooked(child, *child.children()) or probe(child, lambda m: build(m, backend), (features,))
+            if reason:
+                report.skip(prefix + name, child, reason)
+                continue
+            new = build(child, backend)
+            setattr(parent, name, new)
+            report.add(prefix + name, child, new)
 
 
 __all__ = ["convert", "ConvertReport", "Replacement", "Skipped", "Conv1DAct", "activation_name", "probe"]

@@ -13,6 +13,8 @@ import torch
 
 from .. import reference
 from ..ops.layer_norm import layer_norm, rms_norm
+from ..ops.gated_linear_act import ACTIVATIONS as GATED_ACTIVATIONS
+from ..ops.gated_linear_act import gated_mlp
 from ..ops.linear_act import linear_act
 from ..ops.linear_cross_entropy import REDUCTIONS, linear_cross_entropy
 from ..ops.mlp import fused_mlp
@@ -157,3 +159,85 @@ class FusedMLP(torch.nn.Sequential):
     def forward(self, x):
         fc1, fc2 = self[0], self[2]
         return fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.activation, backend=self.backend)
+
+
+def _check_gated_activation(activation):
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
+
+
+class FusedGatedMLP(torch.nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)): the gated MLP of LLaMA, Mistral, Qwen2/3
+    (activation "silu", SwiGLU) and Gemma ("gelu_tanh", GeGLU), with Hugging Face LlamaMLP's
+    children and state_dict keys (gate_proj, up_proj, down_proj: nn.Linear), so checkpoints load
+    both ways.
+
+    Forward: the gate and up projections in one fused GEMM with the gated epilogue
+    (ampkernels.gated_linear_act), then down_proj. Saved for backward in eager training on the
+    kernels: x, the weights and ONE buffer of g and u (2 x hidden per token); h, down_proj's
+    input, is recomputed from it. The eager block keeps g, u, act(g) and h (4 x hidden).
+    """
+
+    def __init__(self, in_features, hidden_features, out_features=None, activation="silu", bias=False, device=None,
+                 dtype=None, *, backend=None):
+        super().__init__()
+        _check_gated_activation(activation)
+        out_features = in_features if out_features is None else out_features
+        self.gate_proj = torch.nn.Linear(in_features, hidden_features, bias, device, dtype)
+        self.up_proj = torch.nn.Linear(in_features, hidden_features, bias, device, dtype)
+        self.down_proj = torch.nn.Linear(hidden_features, out_features, bias, device, dtype)
+        self.activation, self.backend = activation, backend
+
+    def forward(self, x):
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        return gated_mlp(x, g.weight, u.weight, g.bias, u.bias, d.weight, d.bias, self.activation, backend=self.backend)
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
+
+
+class FusedSwiGLU(torch.nn.Module):
+    """timm's SwiGLU block (fc1_g, fc1_x, fc2, drop2; its state_dict keys) with an identity norm and
+    no dropout before fc2: drop2(fc2(act(fc1_g(x)) * fc1_x(x))), fused as FusedGatedMLP.
+    convert() builds it from timm's module, sharing its children."""
+
+    def __init__(self, fc1_g, fc1_x, fc2, drop2=None, activation="silu", *, backend=None):
+        super().__init__()
+        _check_gated_activation(activation)
+        self.fc1_g, self.fc1_x, self.fc2 = fc1_g, fc1_x, fc2
+        self.drop2 = torch.nn.Identity() if drop2 is None else drop2
+        self.activation, self.backend = activation, backend
+
+    def forward(self, x):
+        g, u, d = self.fc1_g, self.fc1_x, self.fc2
+        return self.drop2(gated_mlp(x, g.weight, u.weight, g.bias, u.bias, d.weight, d.bias, self.activation,
+                                    backend=self.backend))
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
+
+
+class FusedGluMlp(torch.nn.Module):
+    """timm's GluMlp (fc1 with 2 x hidden outputs, chunked in two; fc2; drop2; its state_dict keys)
+    with an identity norm and no dropout before fc2. gate_last: the gate is fc1's second half
+    (timm's flag). Gate and up are views of fc1's one weight: with the gate first they are
+    adjacent in memory and the cuda backend runs them as ONE GEMM."""
+
+    def __init__(self, fc1, fc2, drop2=None, activation="silu", gate_last=True, *, backend=None):
+        super().__init__()
+        _check_gated_activation(activation)
+        if fc1.out_features % 2:
+            raise ValueError(f"fc1 must have an even number of outputs, got {fc1.out_features}")
+        self.fc1, self.fc2 = fc1, fc2
+        self.drop2 = torch.nn.Identity() if drop2 is None else drop2
+        self.activation, self.gate_last, self.backend = activation, gate_last, backend
+
+    def forward(self, x):
+        w, b = self.fc1.weight.chunk(2, 0), (None, None) if self.fc1.bias is None else self.fc1.bias.chunk(2, 0)
+        gate, up = (1, 0) if self.gate_last else (0, 1)
+        d = self.fc2
+        return self.drop2(gated_mlp(x, w[gate], w[up], b[gate], b[up], d.weight, d.bias, self.activation,
+                                    backend=self.backend))
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}, gate_last={self.gate_last}"
