@@ -24,15 +24,15 @@ export AMPKERNELS_TRITON_AUTOTUNE=0
 # compile the Triton kernels once outside the tool (it slows the compiler down tenfold);
 # the runs below load them from Triton's cache
 t0=$SECONDS
-SANITIZER_OPS="norms linear_act mlp" python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { cat "$logs/warmup.log"; exit 1; }
+SANITIZER_OPS="norms linear_act mlp gated lce" python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { cat "$logs/warmup.log"; exit 1; }
 case " $BACKENDS " in *" triton "*)  # the initcheck control below runs Triton without TMA too
   AMPKERNELS_TRITON_TMA=0 SANITIZER_OPS="linear_act mlp" python3 scripts/sanitize_cases.py triton >>"$logs/warmup.log" 2>&1 ;; esac
 echo "warm-up (the cases without the tool, compiling the Triton kernels): $((SECONDS - t0))s; $(grep -c . "$logs/warmup.log") log lines" | tee -a "$summary"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the tool see each allocation's real bounds
-run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", several quoted, or "all"
+run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", "gated", "lce", several quoted, or "all"
   local tool=$1 ops=$2; shift 2
   local log="$logs/$tool-${ops// /+}-${*// /-}${AMPKERNELS_TRITON_TMA:+-tma$AMPKERNELS_TRITON_TMA}.log" extra="" t0=$SECONDS
-  [ "$ops" = all ] && ops="norms linear_act mlp"
+  [ "$ops" = all ] && ops="norms linear_act mlp gated lce"
   [ "$tool" = memcheck ] && extra="--leak-check full"
   [ "$tool" = initcheck ] && extra="--print-limit 1000000 --show-backtrace no"  # count every report
   SANITIZER_OPS="$ops" timeout "${SANITIZER_TIMEOUT:-600}" "$SAN" --tool "$tool" $extra --target-processes all \
@@ -48,13 +48,14 @@ run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", several q
 for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
   if [ "$tool" = initcheck ]; then
     run initcheck norms $BACKENDS
-    for ops in linear_act mlp; do
+    for ops in linear_act mlp gated lce; do
       run initcheck $ops $BACKENDS
       run initcheck $ops torch
       # Triton with plain stores instead of TMA descriptors: if the tool misses TMA-store writes,
       # the reports of the Triton run above vanish here (for mlp, but for the reads of what
-      # cuBLAS wrote: its backward's dh = dout @ W2 is a torch matmul, read by the act' kernel)
-      case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 run initcheck $ops triton ;; esac
+      # cuBLAS wrote: its backward's dh = dout @ W2 is a torch matmul, read by the act' kernel);
+      # the gated and cross-entropy kernels use no TMA
+      case " $BACKENDS :$ops" in *" triton "*:linear_act|*" triton "*:mlp) AMPKERNELS_TRITON_TMA=0 run initcheck $ops triton ;; esac
     done
   elif [ "$tool" = racecheck ]; then  # the slowest tool: one run per backend, each with its own timeout
     for backend in $BACKENDS; do run racecheck all "$backend"; done

@@ -1,7 +1,7 @@
 """The kernels of both op families, forward and backward, on boundary shapes and dtype mixes,
 for compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short.
 
-    [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms linear_act [mlp]"] \
+    [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms linear_act [mlp] [gated] [lce]"] \
         python scripts/sanitize_cases.py [cuda] [triton] [torch]
 
 Every output and gradient is checked against float64 autograd with the tests' checks
@@ -30,6 +30,9 @@ ampkernels/triton/layer_norm.py):
   (AMPKERNELS_TRITON_AUTOTUNE=0 makes it the TMA-ready shapes' kernel: K and N multiples of 8;
   more tiles than SMs, so each consumer runs several), autocast with fp32 master weights.
 - mlp: fused_mlp's backward (act' in place on its own dh), TMA-ready shapes and not.
+- gated: gated_linear_act's forward epilogue and fused backward, packed weights and not.
+- lce: linear_cross_entropy's row pass, drawn cases (tests/test_fuzz.lce_case) at row lengths
+  around the kernels' block sizes.
 The cases run inside a function so that every tensor is freed before the process exits:
 memcheck's leak check would otherwise count the module-level tensors still alive at exit.
 """
@@ -42,7 +45,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the tests' checks
 
 from tests.test_dtype_combos import ISSUE_31, NormCombo, check_combo, norm_combos, pairwise  # noqa: E402
-from tests.test_fuzz import check_linear_act, check_mlp, tensor  # noqa: E402
+from tests.test_fuzz import check_linear_act, check_mlp, lce_case, tensor  # noqa: E402
+from tests.test_gated_linear_act import _check as check_gated, _inputs as gated_inputs  # noqa: E402
 
 import ampkernels  # noqa: E402
 
@@ -122,6 +126,29 @@ def mlp_cases(backend, dtype):
                  t(m, k), t(h, k), t(h), t(n, h), t(n), activation, backend, dtype)
 
 
+def gated_cases(backend, dtype):
+    # the gated GEMM's epilogue (g, u and h stores at the tile edges), the packed one-GEMM path,
+    # the fused backward written over the saved g|u buffer
+    for (m, k, h) in ((1, 13, 7), (33, 40, 65), (65, 72, 129), (130, 64, 136)):
+        for activation in (ampkernels.ops.gated_linear_act.ACTIVATIONS if backend != "triton" or m == 65
+                           else ("silu",)):
+            for packed, biases in ((False, (True, True)), (True, (False, False)), (False, (False, True))):
+                ins = gated_inputs(m, k, h, dtype, dev, biases, packed=packed)
+                case(f"{backend} gated_linear_act {activation} packed={packed} biases={biases} {dtype} {m}x{k}x{h}",
+                     check_gated, *ins, activation, backend)
+
+
+def lce_cases(backend, dtype):
+    # linear_cross_entropy's row pass (online max/sum over blocks of a row, the gradient written
+    # in place over the logits) at row lengths around its block sizes, several chunks per call
+    import random
+    rng, gen = random.Random(31), torch.Generator().manual_seed(31)
+    for i in range(12):
+        params = {}
+        case(f"{backend} linear_cross_entropy #{i} {dtype}", lambda: lce_case(
+            rng, gen, params, backend, dev, (dtype,), (7, 300, 1001, 2048, 4100)))
+
+
 def _gluon_on(backend):
     """Whether the Triton norms run a second time with the Gluon kernels on (SANITIZER_GLUON=0: no)."""
     if backend != "triton" or dev != "cuda" or os.environ.get("SANITIZER_GLUON", "1") == "0":
@@ -150,6 +177,10 @@ def main(backends):
                 linear_act_cases(backend, dtype)
             if "mlp" in ops:
                 mlp_cases(backend, dtype)
+            if "gated" in ops:
+                gated_cases(backend, dtype)
+            if "lce" in ops:
+                lce_cases(backend, dtype)
         if dev == "cuda":
             torch.cuda.synchronize()
         print(f"sanitize cases done: {backend} ({CASES[0]} cases so far)", flush=True)

@@ -41,7 +41,7 @@ def _configs():
 
 EXPECTED = {  # (old class, new class, fused activation) -> count, for the 2-layer configs above
     "t5": {("T5LayerNorm", "RMSNorm", None): 12, ("Linear", "Linear", "relu"): 4},  # enc 2x2+1, dec 2x3+1
-    "gemma": {("GemmaRMSNorm", "OffsetRMSNorm", None): 5},  # gated MLPs: not this file's business
+    "gemma": {("GemmaRMSNorm", "OffsetRMSNorm", None): 5, ("GemmaMLP", "FusedGatedMLP", "gelu_tanh"): 2},
     "gpt_neox": {("LayerNorm", "LayerNorm", None): 5, ("Linear", "Linear", "gelu"): 2},
     "falcon": {("LayerNorm", "LayerNorm", None): 3, ("FalconLinear", "Linear", "gelu"): 2},
     "phi": {("LayerNorm", "LayerNorm", None): 3, ("Linear", "Linear", "gelu_tanh"): 2},
