@@ -1,9 +1,13 @@
 // The row pass of linear_cross_entropy (ampkernels/ops/linear_cross_entropy.py): over one chunk
 // of 16-bit logits z (n, V), per row the fp32 log-sum-exp, the row's loss and, when asked, the
-// gradient written over z in place.
+// gradient written over z in place. Rows may be padded (row stride ld >= V: the caller pads ld
+// to a multiple of 64 so that cuBLAS takes its aligned sm90 kernels for the chunk's GEMMs, which
+// fell back to sm75 CUTLASS kernels at 3x the time with V = 50257); only the V columns are read
+// and written.
 //
 // A block owns one row. Pass 1: each thread walks the row in strides of kThreads vectors of kVec
-// elements (16-byte loads when V is a multiple of 8), keeping an online max m, a sum s of
+// elements (16-byte loads when ld is a multiple of 8; a row's last vector, when it straddles V,
+// element by element), keeping an online max m, a sum s of
 // exp(z - m) (rescaled when m grows) and the sum of z (label smoothing); the (m, s) pairs are
 // combined across the block by warp shuffles and one shared-memory step. loss = lse - (1-eps) z_t
 // - eps/V sum(z); 0 for target == ignore_index; NaN for a target out of [0, V).
@@ -48,16 +52,40 @@ __device__ __forceinline__ void online(float& m, float& s, float v) {
   }
 }
 
+// kVec elements of a row at i into v: one 16-byte load, or past V element by element (the
+// padding is never read), filling with `fill`
+template <typename T, int kVec>
+__device__ __forceinline__ void load_row_vec(T* v, const T* zr, int64_t i, int64_t V, T fill) {
+  if (i + kVec <= V) {
+    copy_vec<kVec>(v, zr + i);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v[k] = i + k < V ? zr[i + k] : fill;
+  }
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ void store_row_vec(T* zr, const T* v, int64_t i, int64_t V) {
+  if (i + kVec <= V) {
+    copy_vec<kVec>(zr + i, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      if (i + k < V) zr[i + k] = v[k];
+    }
+  }
+}
+
 template <typename T, int kVec, int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    lce_rows_kernel(T* __restrict__ z, const int64_t* __restrict__ target, float* __restrict__ loss,
+    lce_rows_kernel(T* __restrict__ z, int64_t ld, const int64_t* __restrict__ target, float* __restrict__ loss,
                     const float* __restrict__ scale, int64_t scale_stride, int64_t V, int64_t ignore_index,
                     float eps, bool write_grad) {
   constexpr int kWarps = kThreads / 32;
   __shared__ float sh_m[kWarps], sh_s[kWarps], sh_z[kWarps];
   __shared__ float sh_lse;
   const int64_t row = blockIdx.x;
-  T* zr = z + row * V;
+  T* zr = z + row * ld;
   const int64_t t = target[row];
   const int tid = threadIdx.x;
   const int64_t step = int64_t(kThreads) * kVec;
@@ -68,7 +96,7 @@ __global__ void __launch_bounds__(kThreads)
       T zero[kVec];
 #pragma unroll
       for (int k = 0; k < kVec; ++k) zero[k] = from_f32<T>(0.f);
-      for (int64_t i = int64_t(tid) * kVec; i < V; i += step) copy_vec<kVec>(zr + i, zero);
+      for (int64_t i = int64_t(tid) * kVec; i < V; i += step) store_row_vec<T, kVec>(zr, zero, i, V);
     }
     return;
   }
@@ -76,12 +104,12 @@ __global__ void __launch_bounds__(kThreads)
   float m = kNegInf, s = 0.f, zs = 0.f;
   for (int64_t i = int64_t(tid) * kVec; i < V; i += step) {
     T v[kVec];
-    copy_vec<kVec>(v, zr + i);
+    load_row_vec<T, kVec>(v, zr, i, V, from_f32<T>(kNegInf));
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const float f = to_f32(v[k]);
       online(m, s, f);
-      zs += f;
+      zs += i + k < V ? f : 0.f;
     }
   }
 #pragma unroll
@@ -118,26 +146,26 @@ __global__ void __launch_bounds__(kThreads)
   const float smooth = eps / float(V), hit = 1.f - eps;
   for (int64_t i = int64_t(tid) * kVec; i < V; i += step) {
     T v[kVec];
-    copy_vec<kVec>(v, zr + i);
+    load_row_vec<T, kVec>(v, zr, i, V, from_f32<T>(0.f));
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       float g = __expf(to_f32(v[k]) - lse) - smooth;
       if (i + k == t) g -= hit;
       v[k] = from_f32<T>(g * sc);
     }
-    copy_vec<kVec>(zr + i, v);
+    store_row_vec<T, kVec>(zr, v, i, V);
   }
 }
 
 template <typename T, int kVec>
-void launch_rows(T* z, const int64_t* target, float* loss, const float* scale, int64_t scale_stride, int64_t n,
+void launch_rows(T* z, int64_t ld, const int64_t* target, float* loss, const float* scale, int64_t scale_stride, int64_t n,
                  int64_t V, int64_t ignore_index, float eps, bool write_grad, cudaStream_t stream) {
   // 512 threads for vocab-sized rows (~12 vectors a thread at V = 50257), 128 for short ones
   if (V >= 8192) {
-    lce_rows_kernel<T, kVec, 512><<<n, 512, 0, stream>>>(z, target, loss, scale, scale_stride, V, ignore_index, eps,
+    lce_rows_kernel<T, kVec, 512><<<n, 512, 0, stream>>>(z, ld, target, loss, scale, scale_stride, V, ignore_index, eps,
                                                          write_grad);
   } else {
-    lce_rows_kernel<T, kVec, 128><<<n, 128, 0, stream>>>(z, target, loss, scale, scale_stride, V, ignore_index, eps,
+    lce_rows_kernel<T, kVec, 128><<<n, 128, 0, stream>>>(z, ld, target, loss, scale, scale_stride, V, ignore_index, eps,
                                                          write_grad);
   }
 }
@@ -145,15 +173,15 @@ void launch_rows(T* z, const int64_t* target, float* loss, const float* scale, i
 template <typename T>
 void dispatch_vec(at::Tensor& z, const at::Tensor& target, at::Tensor& loss, const at::Tensor& scale,
                   int64_t ignore_index, float eps, bool write_grad, cudaStream_t stream) {
-  const int64_t n = z.size(0), V = z.size(1);
+  const int64_t n = z.size(0), V = z.size(1), ld = z.stride(0);
   T* zp = reinterpret_cast<T*>(z.data_ptr());
   const int64_t stride = scale.numel() > 1 ? 1 : 0;
-  const bool vec = V % 8 == 0 && reinterpret_cast<uintptr_t>(zp) % 16 == 0;
+  const bool vec = ld % 8 == 0 && reinterpret_cast<uintptr_t>(zp) % 16 == 0;
   if (vec) {
-    launch_rows<T, 8>(zp, target.data_ptr<int64_t>(), loss.data_ptr<float>(), scale.data_ptr<float>(), stride, n, V,
+    launch_rows<T, 8>(zp, ld, target.data_ptr<int64_t>(), loss.data_ptr<float>(), scale.data_ptr<float>(), stride, n, V,
                       ignore_index, eps, write_grad, stream);
   } else {
-    launch_rows<T, 1>(zp, target.data_ptr<int64_t>(), loss.data_ptr<float>(), scale.data_ptr<float>(), stride, n, V,
+    launch_rows<T, 1>(zp, ld, target.data_ptr<int64_t>(), loss.data_ptr<float>(), scale.data_ptr<float>(), stride, n, V,
                       ignore_index, eps, write_grad, stream);
   }
 }
@@ -162,7 +190,8 @@ void lce_rows(at::Tensor z, const at::Tensor& target, at::Tensor loss, const at:
               double label_smoothing, bool write_grad) {
   constexpr const char* op = "linear_cross_entropy_rows_cuda_";
   TORCH_CHECK(z.is_cuda(), op, ": z must be a CUDA tensor, got a tensor on ", z.device());
-  TORCH_CHECK(z.dim() == 2 && z.is_contiguous(), op, ": z must be a contiguous 2-D tensor, got shape ", z.sizes(),
+  TORCH_CHECK(z.dim() == 2 && (z.stride(1) == 1 || z.size(1) <= 1) && z.stride(0) >= z.size(1), op,
+              ": z must be a 2-D tensor with contiguous rows (row stride >= its width), got shape ", z.sizes(),
               " strides ", z.strides());
   TORCH_CHECK(z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16, op,
               ": z must be float16 or bfloat16, got ", z.scalar_type());

@@ -124,7 +124,7 @@ def train(name, base, batches, args, device, dtype, convert, overflow_steps, str
         forced = i in overflow_steps
         if forced:  # outside the hot path: syncs are fine here
             scale_before = scaler.get_scale()
-            param_before = probe_param.detach().clone()
+            param_before = probe_param.detach().cpu()  # on the host: no GPU memory in the peak check
             step_before = _adam_step(opt, probe_param)
 
         def fwd():
@@ -143,9 +143,8 @@ def train(name, base, batches, args, device, dtype, convert, overflow_steps, str
             scale_after = scaler.get_scale()
             overflow_results.append(dict(
                 step=i, scale_before=scale_before, scale_after=scale_after,
-                skipped=bool(torch.equal(param_before, probe_param.detach())) and _adam_step(opt, probe_param) ==
+                skipped=bool(torch.equal(param_before, probe_param.detach().cpu())) and _adam_step(opt, probe_param) ==
                 step_before, scale_halved=math.isclose(scale_after, scale_before * scaler.get_backoff_factor())))
-            del param_before  # a parameter-sized copy: kept, it would read as memory growth
     if cuda:
         torch.cuda.synchronize()
         mem["end"] = torch.cuda.memory_allocated()

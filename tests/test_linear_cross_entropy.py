@@ -296,6 +296,13 @@ def test_triton_rows_pass_matches_torch_rows_pass():
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=2e-3, atol=1e-6)
     assert outs[1][1][1] == float("inf") and torch.isfinite(outs[1][1][[0, 2, 3, 4]]).all()
     assert torch.isfinite(outs[1][0]).all() and torch.equal(outs[1][0][2], torch.zeros(300, dtype=torch.float16))
+    # rows padded to a wider stride (the op's chunk buffer on CUDA): same results, padding untouched
+    big = torch.full((5, 320), 7.0, dtype=torch.float16)
+    zp, loss = big[:, :300], torch.empty(5)
+    zp.copy_(z)
+    lce.rows_pass(zp, t, loss, scale, -100, 0.1, True, "triton")
+    torch.testing.assert_close(loss, outs[1][1], rtol=0, atol=0)
+    assert torch.equal(zp, outs[1][0]) and (big[:, 300:] == 7).all()
 
 
 # ---------------------------------------------------------------- CPU tier: opcheck, compile
@@ -397,6 +404,12 @@ def test_gpu_rows_pass_agrees_with_torch(backend):
         lce.rows_pass(z2, t, l2, scale, -100, 0.1, True, backend)
         torch.testing.assert_close(l2, l1, rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(z2.float(), z1.float(), rtol=1.6e-2, atol=1e-7)
+        # the op's padded chunk buffer (row stride a multiple of 64, past V): the same bits, padding untouched
+        big = torch.full((9, lce._chunk_buffer(z, 1, v).stride(0) + 64), 5.0, dtype=torch.bfloat16, device="cuda")
+        zp, lp = big[:, :v], torch.empty(9, device="cuda")
+        zp.copy_(z)
+        lce.rows_pass(zp, t, lp, scale, -100, 0.1, True, backend)
+        assert torch.equal(lp, l2) and torch.equal(zp, z2) and (big[:, v:] == 5).all()
 
 
 @pytest.mark.gpu
@@ -429,7 +442,7 @@ def test_gpu_autocast_master_weights_and_grad_scaler(backend, dtype, bias):
     assert not torch.equal(before, head.weight)
     # an inf in x: the loss is not finite, the step skips
     opt.zero_grad()
-    x[1, 3, 7] = float("inf")
+    x[1, 10, 7] = float("inf")  # a counted position (t[:, :5] are ignored)
     with torch.autocast("cuda", dtype=dtype):
         loss = head(x, t)
     assert not torch.isfinite(loss)

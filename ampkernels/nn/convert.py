@@ -608,7 +608,9 @@ def _convert_gated_mlps(model, backend, report):
             reason = found if isinstance(found, str) else None
             if reason is None:
                 build, features = found
-                reason = _hooked(child, *child.children()) or probe(child, lambda m: build(m, backend), (features,))
+                # probed through "auto" (fp32 takes the torch path): the probe checks the module's
+                # computation, an explicit backend would refuse its fp32 inputs
+                reason = _hooked(child, *child.children()) or probe(child, lambda m: build(m, None), (features,))
             if reason:
                 report.skip(prefix + name, child, reason)
                 continue

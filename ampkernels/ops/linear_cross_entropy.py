@@ -133,6 +133,18 @@ def _accumulate_wgrad(dw, dz, xc):
     return a.t().mm(b) if dw is None else dw.addmm_(a.t(), b)
 
 
+_LD_ALIGN = 64  # elements: rows of 128 bytes (16-bit)
+
+
+def _chunk_buffer(x, rows, v):
+    """(rows, v) logits buffer whose row stride is v rounded up to 64 elements: with an odd
+    vocabulary (GPT-2's 50257) a dense (rows, v) buffer has unaligned rows, and cuBLAS then
+    runs all three of the chunk's GEMMs on sm75 CUTLASS kernels (on the H200, 8192 x 768 x 50257:
+    16 ms of the op's 17.6 ms in them). The padding columns are never read or written."""
+    ld = -(-v // _LD_ALIGN) * _LD_ALIGN if x.is_cuda else v
+    return x.new_empty(rows, ld)[:, :v]
+
+
 def _logits(xc, weight, bias, out):
     if bias is None:
         return torch.mm(xc, weight.t(), out=out)
@@ -170,7 +182,7 @@ def fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, 
         dw = None
         db = torch.zeros(v, dtype=acc, device=x.device) if need_db else _empty(x)
         rows = chunk_rows(m, k, v)
-        buf = x.new_empty(min(rows, m), v)
+        buf = _chunk_buffer(x, min(rows, m), v)
         one = torch.ones(1, dtype=torch.float32, device=x.device)
         for s in range(0, m, rows):
             e = min(s + rows, m)
@@ -230,7 +242,7 @@ def bwd_impl(dloss, x, weight, bias, target, ignore_index, label_smoothing, redu
         dw = None
         db = torch.zeros(v, dtype=acc, device=x.device) if need_db else _empty(x)
         rows = chunk_rows(m, k, v)
-        buf = x.new_empty(min(rows, m), v)
+        buf = _chunk_buffer(x, min(rows, m), v)
         for s in range(0, m, rows):
             e = min(s + rows, m)
             z = _logits(x[s:e], weight, bias, buf[:e - s])

@@ -23,10 +23,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _lce_rows_kernel(z_ptr, t_ptr, loss_ptr, scale_ptr, V, ignore_index, eps, SCALE_PER_ROW: tl.constexpr,
+def _lce_rows_kernel(z_ptr, ld, t_ptr, loss_ptr, scale_ptr, V, ignore_index, eps, SCALE_PER_ROW: tl.constexpr,
                      WRITE_GRAD: tl.constexpr, SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * V
+    z_row = z_ptr + row * ld
     t = tl.load(t_ptr + row)
     lanes = tl.arange(0, BLOCK)
     if t != ignore_index:
@@ -83,14 +83,15 @@ def block_size(v, smooth):
 
 
 def rows_pass(z, target, loss, scale, ignore_index, eps, write_grad):
-    """See ops/linear_cross_entropy.rows_pass: z (n, V) contiguous fp16/bf16, target (n,) int64,
-    loss (n,) fp32, scale fp32 (1,) or (n,)."""
+    """See ops/linear_cross_entropy.rows_pass: z (n, V) fp16/bf16 with contiguous rows (row stride
+    >= V: padded rows keep the chunk's GEMMs on aligned kernels), target (n,) int64, loss (n,)
+    fp32, scale fp32 (1,) or (n,)."""
     n, v = z.shape
     if n == 0:
         return
-    assert z.is_contiguous() and target.is_contiguous() and loss.is_contiguous()
+    assert (z.stride(1) == 1 or v <= 1) and z.stride(0) >= v and target.is_contiguous() and loss.is_contiguous()
     BLOCK = block_size(v, eps != 0.0)
     with on_device(z):
-        launch(_lce_rows_kernel, (n,), z, target, loss, scale, v, ignore_index, float(eps),
+        launch(_lce_rows_kernel, (n,), z, z.stride(0), target, loss, scale, v, ignore_index, float(eps),
                SCALE_PER_ROW=scale.numel() > 1, WRITE_GRAD=write_grad, SMOOTH=eps != 0.0, BLOCK=BLOCK,
                num_warps=8 if BLOCK >= 2048 else 4)
