@@ -211,9 +211,12 @@ class GatedLinearActFunction(torch.autograd.Function):
 
 # ---------------------------------------------------------------- "auto"
 
-# Not measured yet (ampkernels/bench/bench_gated_linear_act.py measures it): cuBLAS first, its
-# GEMM is the packed one and the epilogue one pass; Triton (one kernel, two accumulators) next.
-_AUTO_DEFAULT = ("cuda", "triton")
+# From one H200 run of ampkernels/bench/bench_gated_linear_act.py --quick (bf16, SwiGLU, 8192 x
+# 1024 -> 2816; docs/performance.md): inference cuBLAS first (packed 0.176 ms, two GEMMs 0.184,
+# Triton 0.180; eager 0.203); training Triton first (fwd+bwd 0.594 ms; cuda 0.600 with packed
+# weights, 0.791 with HF's two separate ones; eager 0.578). Other shapes and dtypes: not measured.
+_AUTO_INFERENCE = ("cuda", "triton")
+_AUTO_TRAINING = ("triton", "cuda")
 
 
 def preference(device, dtype, activation, bucket, training):
@@ -224,7 +227,7 @@ def preference(device, dtype, activation, bucket, training):
         return ("torch",)
     if torch.are_deterministic_algorithms_enabled():
         return ("cuda",)  # Triton's autotuner picks tiles by timing
-    return _AUTO_DEFAULT
+    return _AUTO_TRAINING if training else _AUTO_INFERENCE
 
 
 @backends.assume_constant_result
