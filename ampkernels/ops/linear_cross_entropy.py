@@ -166,6 +166,36 @@ def _empty(x):
     return x.new_empty(0)
 
 
+def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need, backend):
+    """The pass both custom ops make over the tokens, chunk by chunk: the logits GEMM, the row
+    pass (the row losses into `losses`, which holds all M rows or one chunk's scratch, and the
+    gradient scaled by `scale`, (1,) or (M,), in place when any gradient is needed), then dx, dw
+    (fp32 accumulation) and db. Returns (dx, dw, db), empty (0,) tensors where not needed."""
+    need_dx, need_dw, need_db = need
+    m, k = x.shape
+    v = weight.shape[0]
+    acc = _acc_dtype(x.dtype)
+    dx = torch.empty_like(x) if need_dx else _empty(x)
+    dw = None
+    db = torch.zeros(v, dtype=acc, device=x.device) if need_db else _empty(x)
+    rows = chunk_rows(m, k, v)
+    buf = _chunk_buffer(x, min(rows, m), v)
+    for s in range(0, m, rows):
+        e = min(s + rows, m)
+        z = _logits(x[s:e], weight, bias, buf[:e - s])
+        rows_pass(z, target[s:e], losses[s:e] if losses.numel() == m else losses[:e - s],
+                  scale[s:e] if scale.numel() > 1 else scale, ignore_index, eps, any(need), backend)
+        if need_dx:
+            torch.mm(z, weight, out=dx[s:e])
+        if need_dw:
+            dw = _accumulate_wgrad(dw, z, x[s:e])
+        if need_db:
+            db += z.sum(0, dtype=acc)
+    if need_dw and dw is None:  # no tokens
+        dw = torch.zeros(v, k, dtype=acc, device=x.device)
+    return dx, dw if need_dw else _empty(x), db
+
+
 # ---------------------------------------------------------------- forward custom op
 
 def fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
@@ -173,30 +203,10 @@ def fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, 
     """(loss, dx, dw, db). The gradients (each an empty (0,) tensor unless asked for) are those
     of the SUM of the per-token losses: dx in x's dtype, dw and db in fp32 (fp64 for fp64 x)."""
     with torch.autocast(x.device.type, enabled=False):  # out= GEMMs; inputs already in the compute dtype
-        m, k = x.shape
-        v = weight.shape[0]
-        acc = _acc_dtype(x.dtype)
-        losses = torch.empty(m, dtype=acc, device=x.device)
-        want_grad = need_dx or need_dw or need_db
-        dx = torch.empty_like(x) if need_dx else _empty(x)
-        dw = None
-        db = torch.zeros(v, dtype=acc, device=x.device) if need_db else _empty(x)
-        rows = chunk_rows(m, k, v)
-        buf = _chunk_buffer(x, min(rows, m), v)
-        one = torch.ones(1, dtype=torch.float32, device=x.device)
-        for s in range(0, m, rows):
-            e = min(s + rows, m)
-            z = _logits(x[s:e], weight, bias, buf[:e - s])
-            rows_pass(z, target[s:e], losses[s:e], one, ignore_index, label_smoothing, want_grad, backend)
-            if need_dx:
-                torch.mm(z, weight, out=dx[s:e])
-            if need_dw:
-                dw = _accumulate_wgrad(dw, z, x[s:e])
-            if need_db:
-                db += z.sum(0, dtype=acc)
-        if need_dw and dw is None:  # no tokens
-            dw = torch.zeros(v, k, dtype=acc, device=x.device)
-        return _reduce(losses, target, ignore_index, reduction), dx, dw if need_dw else _empty(x), db
+        losses = torch.empty(x.shape[0], dtype=_acc_dtype(x.dtype), device=x.device)
+        dx, dw, db = _chunk_loop(x, weight, bias, target, losses, torch.ones(1, dtype=torch.float32, device=x.device),
+                                 ignore_index, label_smoothing, (need_dx, need_dw, need_db), backend)
+        return _reduce(losses, target, ignore_index, reduction), dx, dw, db
 
 
 @torch.library.custom_op("ampkernels::linear_cross_entropy_fwd", mutates_args=())
@@ -238,25 +248,8 @@ def bwd_impl(dloss, x, weight, bias, target, ignore_index, label_smoothing, redu
             if reduction == "mean":
                 scale = scale / _n_valid(target, ignore_index, sdt).clamp_min(1)
         losses = torch.empty(min(chunk_rows(m, k, v), m), dtype=acc, device=x.device)  # written, unused
-        dx = torch.empty_like(x) if need_dx else _empty(x)
-        dw = None
-        db = torch.zeros(v, dtype=acc, device=x.device) if need_db else _empty(x)
-        rows = chunk_rows(m, k, v)
-        buf = _chunk_buffer(x, min(rows, m), v)
-        for s in range(0, m, rows):
-            e = min(s + rows, m)
-            z = _logits(x[s:e], weight, bias, buf[:e - s])
-            rows_pass(z, target[s:e], losses[:e - s], scale[s:e] if scale.numel() > 1 else scale, ignore_index,
-                      label_smoothing, True, backend)
-            if need_dx:
-                torch.mm(z, weight, out=dx[s:e])
-            if need_dw:
-                dw = _accumulate_wgrad(dw, z, x[s:e])
-            if need_db:
-                db += z.sum(0, dtype=acc)
-        if need_dw and dw is None:
-            dw = torch.zeros(v, k, dtype=acc, device=x.device)
-        return dx, dw if need_dw else _empty(x), db
+        return _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, label_smoothing,
+                           (need_dx, need_dw, need_db), backend)
 
 
 @torch.library.custom_op("ampkernels::linear_cross_entropy_bwd", mutates_args=())
