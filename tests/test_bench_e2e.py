@@ -12,7 +12,7 @@ from ampkernels.bench import bench_e2e, bench_host, readme_table
 from ampkernels.bench.common import Recorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEGACY = os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-7d8b467-e2e.jsonl")
+H200 = os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-02-a4fc253-e2e.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +93,6 @@ def test_e2e_slicing_options():
         p.parse_args(["--no-compile", "--compile-only"])
 
 
-def test_legacy_gpt2_rows_read_as_e2e_rows():
-    rows = bench_e2e.e2e_rows(readme_table.load([LEGACY]))
-    cells = {(r["mode"], r["compiled"]): r for r in rows}
-    assert set(cells) == {("fp32", False)} | {(f"amp_{t}{c}", comp) for t in ("fp16", "bf16")
-                                              for c in ("", "_convert") for comp in (False, True)}
-    assert cells[("amp_bf16_convert", True)]["provider"] == "amp_bf16_ampkernels_compile"
-
-
 def _with_compiled_rows(rows):
     """The CPU rows plus made-up compiled ones and a peak memory, to fill every column."""
     out = []
@@ -114,21 +106,21 @@ def test_readme_table(e2e_run, tmp_path, capsys):
     _, rows = e2e_run
     path = tmp_path / "run.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _with_compiled_rows(rows)))
-    block = readme_table.table(readme_table.load([str(path), LEGACY]), [str(path), "benchmarks/results/x.jsonl"])
+    block = readme_table.table(readme_table.load([str(path), H200]), [str(path), "benchmarks/results/x.jsonl"])
     lines = block.splitlines()
     assert lines[0].startswith("| model | dtype | FP32 ms (AMP speed-up) | eager AMP ms |")
     body = [line for line in lines[2:] if line.startswith("| ")]
-    # models in their order, a model's shapes sorted: the H200 GPT-2 rows (fp16, bf16) before the tiny one
+    # models in their order, a model's shapes sorted: each H200 row before the tiny CPU one
     assert [(line[2:].split(" (")[0], line.split(" | ")[1]) for line in body] == \
-        [("GPT-2 small", "fp16"), ("GPT-2 small", "bf16"), ("GPT-2 small", "bf16"), ("LLaMA-style", "bf16"),
+        [("GPT-2 small", "bf16"), ("GPT-2 small", "bf16"), ("LLaMA-style", "bf16"), ("LLaMA-style", "bf16"),
          ("BERT-base MLM", "bf16"), ("ViT-B/16", "bf16")]
-    assert any(line.startswith("| GPT-2 small (L=12,B=8,S=1024) | bf16 | 172.0 (2.88x) | 59.8 | 46.0 (1.30x) | "
-                               "24.3 | 27.4 (0.89x) | 0.73 / 1.00 | -0.0001 / +0.0001 |") for line in body), body
+    assert any(line.startswith("| GPT-2 small (L=12,H=768,B=8,S=1024) | bf16 | — | 57.6 | 45.5 (1.27x) | "
+                               "24.2 | 40.3 (0.60x) | 0.39 / 0.70 | -0.0033 / -0.0032 |") for line in body), body
     vit = next(line for line in body if line.startswith("| ViT-B/16 (L=2"))
     cells = vit.strip("| ").split(" | ")
     assert cells[7] == "0.80 / 1.00" and cells[6].endswith("x)") and cells[8].count("/") == 1
     commits = block.split("commit ", 1)[1].split(", 2026")[0].split(", ")
-    assert "NVIDIA H200, cpu" in block and "7d8b467" in commits
+    assert "NVIDIA H200, cpu" in block and "a4fc253" in commits
     assert "[x.jsonl](benchmarks/results/x.jsonl)" in block
 
     readme = tmp_path / "README.md"

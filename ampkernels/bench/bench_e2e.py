@@ -344,24 +344,10 @@ def run(recorder, dtypes, quick, models=None, modes=None, compile_modes=(False, 
 
 
 # ---------------------------------------------------------------- reading rows back (report, plot, README table)
-_LEGACY = {"ampkernels": "convert"}  # provider words of the GPT-2-only rows (op e2e_gpt2) before this module
-
-
 def e2e_rows(rows):
-    """The e2e rows of `rows` (errors left out), the GPT-2-only rows of older runs (op
-    e2e_gpt2, providers amp_fp16_ampkernels_compile, ...) given model, mode and compiled."""
-    out = []
-    for r in rows:
-        if r.get("provider") == "error" or not isinstance(r.get("ms"), (int, float)):
-            continue
-        if r.get("op") == "e2e":
-            out.append(r)
-        elif r.get("op") == "e2e_gpt2":
-            words = [_LEGACY.get(w, w) for w in r["provider"].split("_")]
-            compiled = words[-1] == "compile"
-            out.append({**r, "model": "gpt2", "mode": "_".join(words[:-1] if compiled else words),
-                        "compiled": compiled, "dtype": "float32" if r["dtype"] == "fp32" else r["dtype"]})
-    return out
+    """The e2e rows of `rows`, errors left out."""
+    return [r for r in rows if r.get("op") == "e2e" and r.get("provider") != "error"
+            and isinstance(r.get("ms"), (int, float))]
 
 
 def index(rows):

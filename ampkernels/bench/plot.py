@@ -6,7 +6,7 @@
   copy bandwidth measured in the same run as a dashed line;
 - linear_act (metric TFLOP/s): throughput per shape and provider, one panel per (pass, dtype),
   with the plain matmul as the reference line;
-- mlp_block / e2e_gpt2 (metric ms): step time per provider;
+- mlp_block (metric ms): step time per provider;
 - e2e (the four models): e2e.png, one panel per model, ms per step for each mode, eager and
   torch.compile side by side.
 """
@@ -183,11 +183,10 @@ def plot_all(jsonl, out_dir):
     if lin:
         written.append(os.path.join(out_dir, "linear_act.png"))
         plot_linear(plt, lin, written[-1])
-    for op in ("mlp_block", "e2e_gpt2"):
-        op_rows = [r for r in rows if r.get("op") == op and "ms" in r]
-        if op_rows:
-            written.append(os.path.join(out_dir, f"{op}.png"))
-            plot_steps(plt, op, op_rows, written[-1])
+    op_rows = [r for r in rows if r.get("op") == "mlp_block" and "ms" in r]
+    if op_rows:
+        written.append(os.path.join(out_dir, "mlp_block.png"))
+        plot_steps(plt, "mlp_block", op_rows, written[-1])
     if any(r.get("op") == "e2e" for r in rows):
         written.append(os.path.join(out_dir, "e2e.png"))
         plot_e2e(plt, [r for r in rows if r.get("op") == "e2e"], written[-1])
