@@ -79,11 +79,11 @@ def _check_forward_source(model, src):
             _refuse(model, f"its forward changes the logits before the loss: {ln.strip()!r}")
 
 
-def _output_class(model):
+def _output_class(cls):
     from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
-    ann = inspect.signature(inspect.unwrap(type(model).forward)).return_annotation
+    ann = inspect.signature(inspect.unwrap(cls.forward)).return_annotation
     if isinstance(ann, str):
-        ann = getattr(sys.modules[type(model).__module__], ann.split("|")[-1].strip(), None)
+        ann = getattr(sys.modules[cls.__module__], ann.split("|")[-1].strip(), None)
     if isinstance(ann, type) and issubclass(ann, ModelOutput):
         return ann
     for arg in getattr(ann, "__args__", ()):
@@ -129,16 +129,24 @@ def check_fusable(model):
     _check_forward_source(model, src)
 
 
-def _fused_forward(self, *args, **kwargs):
-    cls = type(self)
+def _forward_info(cls):
+    """(signature of cls.forward, its **kwargs parameter's name or None, the output class and its
+    field names): read once, when the loss is fused, not on every training step."""
     sig = inspect.signature(inspect.unwrap(cls.forward))
+    var_kw = next((n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    out_cls = _output_class(cls)
+    return sig, var_kw, out_cls, tuple(f.name for f in dataclasses.fields(out_cls))
+
+
+def _fused_forward(self, info, *args, **kwargs):
+    cls = type(self)
+    sig, var_kw, out_cls, fields = info
     try:
         bound = sig.bind(self, *args, **kwargs)
     except TypeError:
         return cls.forward(self, *args, **kwargs)  # let the model's own forward raise
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(sig.parameters)))  # self
-    var_kw = next((n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     extra = dict(arguments.pop(var_kw, {})) if var_kw else {}
     labels = arguments.get("labels")
     if labels is None or not self.training:
@@ -163,8 +171,7 @@ def _fused_forward(self, *args, **kwargs):
                                 reduction="mean" if n_items is None else "sum", backend=backend)
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
-    out_cls = _output_class(self)
-    values = {f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(out_cls)}
+    values = {name: getattr(outputs, name, None) for name in fields}
     values.update(loss=loss, logits=None)
     out = out_cls(**values)
     return out if return_dict else out.to_tuple()
@@ -182,9 +189,11 @@ def fuse_causal_lm_loss(model, *, backend=None):
     object.__setattr__(model, _ATTR, backend)
     # the class forward's signature and name on the wrapper: Trainer keeps the dataset columns
     # that forward's signature names (a bare *args/**kwargs wrapper made it drop input_ids)
+    info = _forward_info(type(model))
+
     @functools.wraps(type(model).forward)
     def forward(self, *args, **kwargs):
-        return _fused_forward(self, *args, **kwargs)
+        return _fused_forward(self, info, *args, **kwargs)
 
     model.forward = types.MethodType(forward, model)
     return model

@@ -269,15 +269,8 @@ def _prepare(op, x, params, activation, backend, recompute):
     """The shared preamble of the functional APIs: (x2, params, cast_to, backend name, training).
     params: (wg, wu, bg, bu[, more]); made contiguous when a kernel (or recompute) takes them."""
     device = x.device
-    cast_to = None  # autocast's dtype when the parameters need F.linear's cast (fp32 master weights)
-    if torch.is_autocast_enabled(device.type):
-        x = x.to(torch.get_autocast_dtype(device.type))
-        if any(t is not None and t.dtype != x.dtype for t in params):
-            cast_to = x.dtype
-    elif any(t is not None and t.dtype != x.dtype for t in params):
-        names = ("x",) + _NAMES[1:] + ("down_weight", "down_bias")
-        got = ", ".join(f"{n} {None if t is None else t.dtype}" for n, t in zip(names, (x, *params)))
-        raise TypeError(f"{op}: x, the weights and the biases must share a dtype (as for F.linear), got {got}")
+    x, cast_to = la.autocast_dtypes(op, x, params, _NAMES[1:] + ("down_weight", "down_bias"),
+                                    "x, the weights and the biases")
     k, hidden = x.shape[-1], params[0].shape[0]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"

@@ -316,6 +316,20 @@ def _check_args(x, weight, bias):
         raise ValueError(f"linear_act: bias is on {bias.device} but x is on {dev}")
 
 
+def autocast_dtypes(op, x, params, names, what="x, weight and bias"):
+    """F.linear's dtype rule, for the ops built on GEMMs: under autocast x is cast to the autocast
+    dtype, and cast_to is that dtype when a parameter differs from it (fp32 master weights, cast
+    inside the op's Function); without autocast x and the parameters must share a dtype
+    (TypeError naming each). Returns (x, cast_to)."""
+    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+        return x, (x.dtype if any(t is not None and t.dtype != x.dtype for t in params) else None)
+    if any(t is not None and t.dtype != x.dtype for t in params):
+        got = ", ".join(f"{n} {None if t is None else t.dtype}" for n, t in zip(("x", *names), (x, *params)))
+        raise TypeError(f"{op}: {what} must share a dtype (as for F.linear), got {got}")
+    return x, None
+
+
 def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, recompute=False):
     """act(x @ weight.T + bias) with the activation fused into the matmul.
 
@@ -329,14 +343,7 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
         reference.activation_id(activation)  # raises, naming the choices
     _check_args(x, weight, bias)
     device = x.device
-    cast_to = None  # autocast's dtype when the weights need F.linear's cast (fp32 master weights)
-    if torch.is_autocast_enabled(device.type) and x.is_floating_point():
-        x = x.to(torch.get_autocast_dtype(device.type))
-        if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-            cast_to = x.dtype
-    elif weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"linear_act: x, weight and bias must share a dtype (as for F.linear), got x {x.dtype}, "
-                        f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+    x, cast_to = autocast_dtypes("linear_act", x, (weight, bias), ("weight", "bias"))
     k, n = x.shape[-1], weight.shape[0]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     m = x2.shape[0]

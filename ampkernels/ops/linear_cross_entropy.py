@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from .linear_act import eager_call
+from .linear_act import autocast_dtypes, eager_call
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -421,14 +421,7 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, lab
     _check_args(x, weight, target, bias, ignore_index, label_smoothing, reduction)
     label_smoothing = float(label_smoothing)
     device = x.device
-    cast_to = None
-    if torch.is_autocast_enabled(device.type):
-        x = x.to(torch.get_autocast_dtype(device.type))
-        if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-            cast_to = x.dtype
-    elif weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"linear_cross_entropy: x, weight and bias must share a dtype (as for F.linear), got x "
-                        f"{x.dtype}, weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+    x, cast_to = autocast_dtypes("linear_cross_entropy", x, (weight, bias), ("weight", "bias"))
     k, v = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k).contiguous()
     t2 = target.reshape(-1).to(torch.int64).contiguous()
