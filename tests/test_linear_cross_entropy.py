@@ -107,6 +107,19 @@ def test_odd_shapes_and_one_token(small_chunks, backend, shape):
 
 
 @pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
+@pytest.mark.parametrize("reduction", lce.REDUCTIONS)
+def test_padded_vocabulary(small_chunks, monkeypatch, backend, reduction):
+    # the GEMMs over a vocabulary padded with zero weight rows (CUDA pads to a multiple of 64;
+    # forced here on CPU, with a pad of 1 to 71 columns): the same loss and gradients
+    for pad in (1, 71):
+        monkeypatch.setattr(lce, "padded_vocab", lambda v, x, pad=pad: v + pad)
+        dtype = torch.float16 if backend == "triton" else torch.float32
+        for bias in (True, False):
+            x, w, b, t = _inputs(13, 16, 37, dtype, "cpu", bias=bias)
+            _check(x, w, b, t, backend, reduction=reduction, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
 def test_3d_input(small_chunks, backend):
     dtype = torch.float16 if backend == "triton" else torch.float32
     x, w, b, t = _inputs(7, 16, 33, dtype, "cpu", lead=(3,))
@@ -407,7 +420,7 @@ def test_gpu_rows_pass_agrees_with_torch(backend):
         # the op's padded chunk buffer (row stride a multiple of 64, past V; CUDA then takes 16-byte
         # vectors where a dense odd-width row took one element at a time): the same values, the
         # padding untouched
-        big = torch.full((9, lce._chunk_buffer(z, 1, v).stride(0) + 64), 5.0, dtype=torch.bfloat16, device="cuda")
+        big = torch.full((9, lce.padded_vocab(v, z) + 64), 5.0, dtype=torch.bfloat16, device="cuda")
         zp, lp = big[:, :v], torch.empty(9, device="cuda")
         zp.copy_(z)
         lce.rows_pass(zp, t, lp, scale, -100, 0.1, True, backend)

@@ -133,16 +133,24 @@ def _accumulate_wgrad(dw, dz, xc):
     return a.t().mm(b) if dw is None else dw.addmm_(a.t(), b)
 
 
-_LD_ALIGN = 64  # elements: rows of 128 bytes (16-bit)
+_VOCAB_ALIGN = 64  # elements: rows of 128 bytes (16-bit)
 
 
-def _chunk_buffer(x, rows, v):
-    """(rows, v) logits buffer whose row stride is v rounded up to 64 elements: with an odd
-    vocabulary (GPT-2's 50257) a dense (rows, v) buffer has unaligned rows, and cuBLAS then
-    runs all three of the chunk's GEMMs on sm75 CUTLASS kernels (on the H200, 8192 x 768 x 50257:
-    16 ms of the op's 17.6 ms in them). The padding columns are never read or written."""
-    ld = -(-v // _LD_ALIGN) * _LD_ALIGN if x.is_cuda else v
-    return x.new_empty(rows, ld)[:, :v]
+def padded_vocab(v, x):
+    """The vocabulary size the chunk GEMMs run at: on CUDA v rounded up to a multiple of 64.
+    With an odd vocabulary (GPT-2's 50257) cuBLAS has no sm90 kernel for an N or K of that size
+    and ran the three GEMMs on sm75 CUTLASS kernels, 5-7x slower (on the H200 at 2048 x 768 x
+    50257 the logits GEMM took 1.92 ms, at 50304 0.27 ms); inductor pads the same way."""
+    return -(-v // _VOCAB_ALIGN) * _VOCAB_ALIGN if x.is_cuda else v
+
+
+def _pad_rows(t, n):
+    """t with its first dimension zero-padded to n (t itself when it already has n rows)."""
+    if t is None or t.shape[0] == n:
+        return t
+    out = t.new_zeros((n,) + tuple(t.shape[1:]))
+    out[:t.shape[0]].copy_(t)
+    return out
 
 
 def _logits(xc, weight, bias, out):
@@ -179,21 +187,27 @@ def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need,
     dw = None
     db = torch.zeros(v, dtype=acc, device=x.device) if need_db else _empty(x)
     rows = chunk_rows(m, k, v)
-    buf = _chunk_buffer(x, min(rows, m), v)
+    # the GEMMs run over vp >= v logit columns against zero weight (and bias) rows: the padding
+    # columns of the logits are 0, never touched by the row pass, so they add nothing to dx and
+    # only to dw's padding rows, which are cut off
+    vp = padded_vocab(v, x)
+    weight, bias = _pad_rows(weight, vp), _pad_rows(bias, vp)
+    buf = x.new_empty(min(rows, m), vp)
     for s in range(0, m, rows):
         e = min(s + rows, m)
-        z = _logits(x[s:e], weight, bias, buf[:e - s])
+        zp = _logits(x[s:e], weight, bias, buf[:e - s])
+        z = zp[:, :v]
         rows_pass(z, target[s:e], losses[s:e] if losses.numel() == m else losses[:e - s],
                   scale[s:e] if scale.numel() > 1 else scale, ignore_index, eps, any(need), backend)
         if need_dx:
-            torch.mm(z, weight, out=dx[s:e])
+            torch.mm(zp, weight, out=dx[s:e])
         if need_dw:
-            dw = _accumulate_wgrad(dw, z, x[s:e])
+            dw = _accumulate_wgrad(dw, zp, x[s:e])
         if need_db:
             db += z.sum(0, dtype=acc)
     if need_dw and dw is None:  # no tokens
         dw = torch.zeros(v, k, dtype=acc, device=x.device)
-    return dx, dw if need_dw else _empty(x), db
+    return dx, dw[:v] if need_dw else _empty(x), db
 
 
 # ---------------------------------------------------------------- forward custom op
