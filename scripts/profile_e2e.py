@@ -93,6 +93,9 @@ def main():
         raise SystemExit("profile_e2e.py needs a CUDA GPU")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf) if args.out else contextlib.nullcontext():
+        import triton
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"commit {os.environ.get('AMPKERNELS_COMMIT', 'unknown')}")
         for name in args.models:
             profile_model(name, getattr(torch, args.dtype), args.size)
     if args.out:
