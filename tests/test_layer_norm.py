@@ -1129,3 +1129,58 @@ def test_gpu_gluon_bwd_64bit_indexing(monkeypatch):
     assert_rel_close(dx[tail], x6.grad, torch.bfloat16, factor=GRAD_FACTOR)
     del x, dy, dx, out
     torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- the C++ autograd of the cuda backend
+
+@pytest.fixture
+def reference_as_cuda_kernels(monkeypatch):
+    """norm_fwd_cuda / norm_bwd_cuda with the reference as their CPU kernels, and "cuda" chosen on
+    CPU: the C++ autograd of norm_train_cuda (csrc/ops.cpp), which reaches the kernels through the
+    dispatcher, and the Python that routes to it then run on CPU."""
+    if not _extension.load():
+        pytest.skip(f"extension not built here: {_extension.status()[1]}")
+    lib = torch.library.Library("ampkernels", "IMPL")
+    # (want_stats at its default arrives as no argument at all)
+    lib.impl("norm_fwd_cuda", lambda *a, want_stats=True: ln._fwd_impl(*a[:8], a[8] if len(a) > 8 else want_stats,
+                                                                       "torch"), "CPU")
+    lib.impl("norm_bwd_cuda", lambda *a: ln._bwd_impl(*a, "torch"), "CPU")
+    monkeypatch.setattr(backends, "select", lambda op, backend, device, pref, unsupported=None: "cuda")
+    yield
+    lib._destroy()
+
+
+def _grads_of(outs, leaves, seed):
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs)
+    return torch.autograd.grad(loss, [t for t in leaves if t is not None and t.requires_grad], allow_unused=True)
+
+
+@pytest.mark.parametrize("is_rms", [False, True])
+@pytest.mark.parametrize("xdt,pdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                     (torch.float16, torch.float16), (torch.bfloat16, None)])
+@pytest.mark.parametrize("res", [None, "same", "fp32"])
+def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, is_rms, xdt, pdt, res):
+    n = 48
+    for out_dtype, bias_dt, grad_of in ((None, pdt, "all"), (torch.bfloat16, torch.float32, "x"),
+                                        (None, pdt, "residual_out")):
+        x = randn(5, n, dtype=xdt).requires_grad_(grad_of != "none")
+        w = None if pdt is None else randn(n, dtype=pdt, scale=0.5, offset=1.0).requires_grad_(grad_of == "all")
+        b = None if is_rms or bias_dt is None else randn(n, dtype=bias_dt).requires_grad_(grad_of == "all")
+        if w is not None and b is not None and b.dtype != w.dtype and pdt != torch.float32:
+            b = b.to(w.dtype).detach().requires_grad_(grad_of == "all")
+        r = None if res is None else randn(5, n, dtype=torch.float32 if res == "fp32" else xdt).requires_grad_()
+        kw = dict(residual=r, residual_in_fp32=res == "fp32", out_dtype=out_dtype)
+        leaves = (x, w, b, r)
+        got = _norm(is_rms, x, n, w, b, 1e-5, backend="cuda", **kw)  # the C++ Function
+        want = ln.NormFunction.apply(x, w, None if is_rms else b, r, 1e-5, is_rms, out_dtype, res == "fp32",
+                                     "torch", "torch")
+        got, want = (t if isinstance(t, tuple) else (t,) for t in (got, want))
+        assert "NormTrain" in got[0].grad_fn.name()
+        assert all(torch.equal(a, e) and a.dtype == e.dtype for a, e in zip(got, want))
+        used = got[1:] if grad_of == "residual_out" and r is not None else got
+        want_used = want[1:] if grad_of == "residual_out" and r is not None else want
+        for a, e in zip(_grads_of(used, leaves, 1), _grads_of(want_used, leaves, 1)):
+            assert (a is None) == (e is None)
+            if a is not None:
+                assert a.dtype == e.dtype and torch.equal(a, e)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, reference
+from .linear_act import eager_call
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -117,6 +118,10 @@ def _(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias
 
 # Eager calls skip the custom-op dispatcher (tens of microseconds of host time per call, as
 # much as a 2^27-element kernel takes); torch.compile and opcheck see the custom ops.
+def _norm_train_cuda():
+    return torch.ops.ampkernels.norm_train_cuda.default
+
+
 def _fwd_op():
     return torch.ops.ampkernels.norm_fwd if torch.compiler.is_compiling() else _fwd_impl
 
@@ -273,8 +278,13 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
     res2 = None if residual is None else as_rows(residual)
     w2, b2 = flat(weight), flat(bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w2, b2, res2)):
-        result = NormFunction.apply(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32), name,
-                                    bwd_name)
+        if name == bwd_name == "cuda" and eager_call(x2, w2, b2, res2):
+            # autograd in C++ (csrc/ops.cpp): neither pass runs Python per call
+            out, res_out = _norm_train_cuda()(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32))
+            result = out if res2 is None else (out, res_out)
+        else:
+            result = NormFunction.apply(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32), name,
+                                        bwd_name)
     else:  # inference: the forward alone, nothing saved (no mean/rstd written: 8 bytes a row)
         if b2 is not None and w2 is not None and b2.dtype != w2.dtype:
             b2 = b2.to(w2.dtype)
@@ -283,6 +293,8 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
         result = out if res2 is None else (out, res_out)
     if residual is None:
         return result if x2 is x else result.reshape(x.shape)
+    if x2 is x:  # no reshape: a view would add an autograd node per call
+        return result
     out, res_out = result
     return out.reshape(x.shape), res_out.reshape(x.shape)
 
