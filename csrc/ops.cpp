@@ -714,5 +714,71 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
   m.impl("act_backward_cuda_", &act_backward_inplace);
 }
 
+// ---------------------------------------------------------------- linear_act training op, autograd in C++
+
+// linear_act_train_cuda = linear_act_fwd_cuda with its backward registered here (as
+// norm_train_cuda: no Python per call in either pass), for the calls whose Python Function
+// would run the cuda kernels in both passes: not recompute, and not identity with master
+// weights (that one takes torch's GEMM for an fp32 dweight; ampkernels/ops/linear_act.py).
+// cast_to: the compute dtype when weight and bias are fp32 master weights under autocast; they
+// are cast here and their gradients come back in the weight's dtype.
+using LinearFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                       const std::optional<at::Tensor>&, int64_t, bool, bool);
+using LinearBwdFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                   const at::Tensor&, const at::Tensor&, int64_t,
+                                                                   bool, bool, bool, bool);
+
+struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, int64_t activation,
+                            std::optional<at::ScalarType> cast_to) {
+    static const auto fwd =
+        c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::linear_act_fwd_cuda", "").typed<LinearFwdFn>();
+    const at::Tensor w = cast_to ? weight.to(*cast_to) : weight;
+    const std::optional<at::Tensor> b = cast_to && bias ? std::optional<at::Tensor>(bias->to(*cast_to)) : bias;
+    const auto act = to_activation(activation, "linear_act_train_cuda");
+    const bool saves_hidden = act != Activation::kIdentity;
+    const bool store_pre = saves_hidden && act != Activation::kReLU;  // ReLU's derivative reads its output
+    auto [y, pre] = fwd.call(x, w, b, activation, store_pre, true);
+    ctx->save_for_backward({x, w, store_pre ? pre : saves_hidden ? y : at::Tensor()});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["grad_dtype"] = cast_to ? c10::IValue(weight.scalar_type()) : c10::IValue();
+    ctx->saved_data["has_bias"] = bias.has_value();
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto bwd =
+        c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::linear_act_bwd_cuda", "").typed<LinearBwdFn>();
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& dy = grads[0];
+    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);
+    const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);  // bias: edge 2
+    const at::Tensor s = saved[2].defined() ? saved[2] : at::empty({0}, dy.options());
+    auto [dx, dw, db] = bwd.call(dy.contiguous(), saved[0], saved[1], s, ctx->saved_data["activation"].toInt(),
+                                 need_dx, need_dw, need_db, true);
+    const auto& gd = ctx->saved_data["grad_dtype"];
+    if (!gd.isNone()) {
+      if (need_dw) dw = dw.to(gd.toScalarType());
+      if (need_db) db = db.to(gd.toScalarType());
+    }
+    return {need_dx ? dx : at::Tensor(), need_dw ? dw : at::Tensor(), need_db ? db : at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor linear_act_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            int64_t activation, std::optional<at::ScalarType> cast_to) {
+  return LinearActTrain::apply(x, weight, bias, activation, cast_to);
+}
+
+TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
+  m.def("linear_act_train_cuda(Tensor x, Tensor weight, Tensor? bias, int activation, ScalarType? cast_to) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
+  m.impl("linear_act_train_cuda", &linear_act_train);
+}
+
 }  // namespace
 }  // namespace ampk

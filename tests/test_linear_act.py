@@ -978,3 +978,46 @@ def test_pingpong_is_on_by_default_and_hopper_only(monkeypatch):
     assert tk.pingpong_enabled(device)
     capability[0] = 10  # wgmma is Hopper's alone
     assert not tk.pingpong_enabled(device)
+
+
+# ---------------------------------------------------------------- the C++ autograd of the cuda backend
+
+@pytest.fixture
+def reference_as_cuda_kernels(monkeypatch):
+    """linear_act_{fwd,bwd}_cuda with the torch path as their CPU kernels, and "cuda" chosen on
+    CPU: the C++ autograd of linear_act_train_cuda (csrc/ops.cpp), which reaches the kernels
+    through the dispatcher, and the Python that routes to it then run on CPU."""
+    if not _extension.load():
+        pytest.skip(f"extension not built here: {_extension.status()[1]}")
+    lib = torch.library.Library("ampkernels", "IMPL")
+    lib.impl("linear_act_fwd_cuda", lambda x, w, b, act, store_pre, fuse:
+             la.fwd_impl(x, w, b, reference.ACTIVATIONS[act], store_pre, "torch"), "CPU")
+    lib.impl("linear_act_bwd_cuda", lambda dy, x, w, saved, act, need_dx, need_dw, need_db, fuse:
+             la.bwd_impl(dy, x, w, saved, reference.ACTIVATIONS[act], need_dx, need_dw, need_db, "torch"), "CPU")
+    monkeypatch.setattr(backends, "select", lambda op, backend, device, pref, unsupported=None: "cuda")
+    yield
+    lib._destroy()
+
+
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, bias):
+    k, n = 24, 40
+    for grads_of in ("all", "x", "weight"):
+        pdt = torch.float32 if master else torch.bfloat16
+        x = randn(7, k, dtype=torch.bfloat16 if not master else torch.float32).requires_grad_(grads_of != "weight")
+        w = randn(n, k, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x")
+        b = randn(n, dtype=pdt).requires_grad_(grads_of == "all") if bias else None
+        leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
+        g = randn(7, n, dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=master):
+            y = la.linear_act(x, w, b, activation)  # "cuda" (patched): the C++ Function unless excluded
+            x2, cast_to = la.autocast_dtypes("linear_act", x, (w, b), ("weight", "bias"))
+            want = la.LinearActFunction.apply(x2, w, b, activation, "cuda", False, cast_to)
+        assert ("LinearActTrain" in y.grad_fn.name()) == (not master or activation != "identity")
+        assert y.dtype == want.dtype and torch.equal(y, want)
+        got_g = torch.autograd.grad(y, leaves, g)
+        want_g = torch.autograd.grad(want, leaves, g)
+        for a, e in zip(got_g, want_g):
+            assert a.dtype == e.dtype and torch.equal(a, e)
