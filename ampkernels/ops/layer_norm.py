@@ -118,16 +118,16 @@ def _(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias
 
 # Eager calls skip the custom-op dispatcher (tens of microseconds of host time per call, as
 # much as a 2^27-element kernel takes); torch.compile and opcheck see the custom ops.
-def _norm_train_cuda():
-    return torch.ops.ampkernels.norm_train_cuda.default
-
-
 def _fwd_op():
     return torch.ops.ampkernels.norm_fwd if torch.compiler.is_compiling() else _fwd_impl
 
 
 def _bwd_op():
     return torch.ops.ampkernels.norm_bwd if torch.compiler.is_compiling() else _bwd_impl
+
+
+def _norm_train_cuda():  # forward and backward in C++ (csrc/ops.cpp), for the cuda backend in eager
+    return torch.ops.ampkernels.norm_train_cuda.default
 
 
 class NormFunction(torch.autograd.Function):
