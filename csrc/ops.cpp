@@ -359,16 +359,10 @@ using NormBwdFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>&, bool, bool, bool, at::ScalarType, std::optional<at::ScalarType>,
     std::optional<at::ScalarType>);
 
-const c10::TypedOperatorHandle<NormFwdFn>& norm_fwd_handle() {
-  static const auto h =
-      c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::norm_fwd_cuda", "").typed<NormFwdFn>();
-  return h;
-}
-
-const c10::TypedOperatorHandle<NormBwdFn>& norm_bwd_handle() {
-  static const auto h =
-      c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::norm_bwd_cuda", "").typed<NormBwdFn>();
-  return h;
+// The typed handle of an op of this library (looked up once per call site: keep it static).
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> typed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
 std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
@@ -388,8 +382,9 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     if (bias && weight && bias->scalar_type() != weight->scalar_type()) {
       bias_k = bias->to(weight->scalar_type());  // the kernels take one param dtype
     }
+    static const auto fwd = typed_op<NormFwdFn>("ampkernels::norm_fwd_cuda");
     auto [out, res_out, mean, rstd] =
-        norm_fwd_handle().call(x, weight, bias_k, residual, eps, is_rms, out_dtype, residual_in_fp32, true);
+        fwd.call(x, weight, bias_k, residual, eps, is_rms, out_dtype, residual_in_fp32, true);
     ctx->save_for_backward({residual ? res_out : x, weight ? *weight : at::Tensor(), mean, rstd});
     ctx->set_materialize_grads(false);
     ctx->saved_data["is_rms"] = is_rms;
@@ -398,9 +393,6 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     ctx->saved_data["residual_dtype"] =
         residual ? c10::IValue(residual->scalar_type()) : c10::IValue();
     ctx->saved_data["bias_dtype"] = bias ? c10::IValue(bias->scalar_type()) : c10::IValue();
-    ctx->saved_data["param_dtype"] = weight ? c10::IValue(weight->scalar_type())
-                                   : bias   ? c10::IValue(bias->scalar_type())
-                                            : c10::IValue();
     // needs_input_grad counts the tensor inputs only (an absent weight, bias or residual has no edge)
     int64_t edge = 1;
     ctx->saved_data["weight_edge"] = weight ? edge++ : int64_t(-1);
@@ -419,11 +411,11 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
     const auto& res_iv = ctx->saved_data["residual_dtype"];
     const auto& bias_iv = ctx->saved_data["bias_dtype"];
-    const auto& param_iv = ctx->saved_data["param_dtype"];
     const std::optional<at::ScalarType> residual_dtype =
         res_iv.isNone() ? std::nullopt : std::optional<at::ScalarType>(res_iv.toScalarType());
     const std::optional<at::ScalarType> param_dtype =
-        param_iv.isNone() ? std::nullopt : std::optional<at::ScalarType>(param_iv.toScalarType());
+        weight ? std::optional<at::ScalarType>(weight->scalar_type())
+               : bias_iv.isNone() ? std::nullopt : std::optional<at::ScalarType>(bias_iv.toScalarType());
     at::Tensor dout = grads[0];
     if (!dout.defined()) {  // only residual_out was used
       dout = at::zeros(x.sizes(), x.options().dtype(ctx->saved_data["out_dtype"].toScalarType()));
@@ -435,7 +427,8 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     };
     const bool want_dw = needs("weight_edge");
     const bool want_db = needs("bias_edge");
-    auto [dx, dres, dw, db] = norm_bwd_handle().call(
+    static const auto bwd = typed_op<NormBwdFn>("ampkernels::norm_bwd_cuda");
+    auto [dx, dres, dw, db] = bwd.call(
         dout.contiguous(), x, weight, saved[2], saved[3],
         dres_out.defined() ? std::optional<at::Tensor>(dres_out.contiguous()) : std::nullopt, is_rms, want_dw,
         want_db, x_dtype, residual_dtype, param_dtype);
@@ -732,8 +725,7 @@ struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, int64_t activation,
                             std::optional<at::ScalarType> cast_to) {
-    static const auto fwd =
-        c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::linear_act_fwd_cuda", "").typed<LinearFwdFn>();
+    static const auto fwd = typed_op<LinearFwdFn>("ampkernels::linear_act_fwd_cuda");
     const at::Tensor w = cast_to ? weight.to(*cast_to) : weight;
     const std::optional<at::Tensor> b = cast_to && bias ? std::optional<at::Tensor>(bias->to(*cast_to)) : bias;
     const auto act = to_activation(activation, "linear_act_train_cuda");
@@ -749,8 +741,7 @@ struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static const auto bwd =
-        c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::linear_act_bwd_cuda", "").typed<LinearBwdFn>();
+    static const auto bwd = typed_op<LinearBwdFn>("ampkernels::linear_act_bwd_cuda");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& dy = grads[0];
     const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);

@@ -12,8 +12,6 @@ above its kernel time is host-bound. --out DIR also writes the report to DIR/pro
 import argparse
 import collections
 import contextlib
-import copy
-import importlib
 import io
 import os
 import statistics
@@ -27,24 +25,8 @@ WARM, TIMED, PROFILED, TOP = 4, 10, 3, 18
 
 
 def _stepper(work, convert, dtype):
-    model = copy.deepcopy(work.model).cuda().train()
-    if convert:
-        importlib.import_module(f"ampkernels.integrations.{work.integration}").apply(model, **work.convert_kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
-    batches = [bench_e2e._to(b, "cuda") for b in work.batches]
-    state = {"i": 0}
-
-    def step():
-        batch = batches[state["i"] % len(batches)]
-        state["i"] += 1
-        with torch.autocast("cuda", dtype=dtype):
-            loss = work.loss(model, batch)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-    return step
+    model = bench_e2e.model_copy(work, convert, "cuda")[0]
+    return bench_e2e.training_step(work, model, model, dtype, "cuda")
 
 
 def _measure(step):

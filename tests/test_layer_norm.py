@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ampkernels import _extension, backends, reference
 from ampkernels.ops import layer_norm as ln
 from ampkernels.ops.layer_norm import layer_norm, rms_norm
-from tests.utils import TOL, assert_rel_close, randn
+from tests.utils import TOL, assert_rel_close, cuda_kernels_on_cpu, randn
 
 HAS_CUDA = torch.cuda.is_available()
 GRAD_FACTOR = 2
@@ -1135,19 +1135,12 @@ def test_gpu_gluon_bwd_64bit_indexing(monkeypatch):
 
 @pytest.fixture
 def reference_as_cuda_kernels(monkeypatch):
-    """norm_fwd_cuda / norm_bwd_cuda with the reference as their CPU kernels, and "cuda" chosen on
-    CPU: the C++ autograd of norm_train_cuda (csrc/ops.cpp), which reaches the kernels through the
-    dispatcher, and the Python that routes to it then run on CPU."""
-    if not _extension.load():
-        pytest.skip(f"extension not built here: {_extension.status()[1]}")
-    lib = torch.library.Library("ampkernels", "IMPL")
-    # (want_stats at its default arrives as no argument at all)
-    lib.impl("norm_fwd_cuda", lambda *a, want_stats=True: ln._fwd_impl(*a[:8], a[8] if len(a) > 8 else want_stats,
-                                                                       "torch"), "CPU")
-    lib.impl("norm_bwd_cuda", lambda *a: ln._bwd_impl(*a, "torch"), "CPU")
-    monkeypatch.setattr(backends, "select", lambda op, backend, device, pref, unsupported=None: "cuda")
-    yield
-    lib._destroy()
+    """norm_{fwd,bwd}_cuda run the reference on CPU: norm_train_cuda's C++ autograd checked there."""
+    yield from cuda_kernels_on_cpu(monkeypatch, {
+        # (want_stats at its default arrives as no argument at all)
+        "norm_fwd_cuda": lambda *a, want_stats=True: ln._fwd_impl(*a[:8], a[8] if len(a) > 8 else want_stats,
+                                                                  "torch"),
+        "norm_bwd_cuda": lambda *a: ln._bwd_impl(*a, "torch")})
 
 
 def _grads_of(outs, leaves, seed):

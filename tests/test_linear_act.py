@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import ampkernels
 from ampkernels import _extension, backends, reference
 from ampkernels.ops import linear_act as la
-from tests.utils import assert_rel_close, poison_, randn
+from tests.utils import assert_rel_close, cuda_kernels_on_cpu, poison_, randn
 
 # one Triton config per kernel: the session compiles each (activation, dtype) variant once
 # instead of once per autotune config (the benchmark runs the autotuned kernels)
@@ -984,19 +984,13 @@ def test_pingpong_is_on_by_default_and_hopper_only(monkeypatch):
 
 @pytest.fixture
 def reference_as_cuda_kernels(monkeypatch):
-    """linear_act_{fwd,bwd}_cuda with the torch path as their CPU kernels, and "cuda" chosen on
-    CPU: the C++ autograd of linear_act_train_cuda (csrc/ops.cpp), which reaches the kernels
-    through the dispatcher, and the Python that routes to it then run on CPU."""
-    if not _extension.load():
-        pytest.skip(f"extension not built here: {_extension.status()[1]}")
-    lib = torch.library.Library("ampkernels", "IMPL")
-    lib.impl("linear_act_fwd_cuda", lambda x, w, b, act, store_pre, fuse:
-             la.fwd_impl(x, w, b, reference.ACTIVATIONS[act], store_pre, "torch"), "CPU")
-    lib.impl("linear_act_bwd_cuda", lambda dy, x, w, saved, act, need_dx, need_dw, need_db, fuse:
-             la.bwd_impl(dy, x, w, saved, reference.ACTIVATIONS[act], need_dx, need_dw, need_db, "torch"), "CPU")
-    monkeypatch.setattr(backends, "select", lambda op, backend, device, pref, unsupported=None: "cuda")
-    yield
-    lib._destroy()
+    """linear_act_{fwd,bwd}_cuda run the torch path on CPU: linear_act_train_cuda's C++ autograd
+    checked there."""
+    yield from cuda_kernels_on_cpu(monkeypatch, {
+        "linear_act_fwd_cuda": lambda x, w, b, act, store_pre, fuse:
+            la.fwd_impl(x, w, b, reference.ACTIVATIONS[act], store_pre, "torch"),
+        "linear_act_bwd_cuda": lambda dy, x, w, saved, act, need_dx, need_dw, need_db, fuse:
+            la.bwd_impl(dy, x, w, saved, reference.ACTIVATIONS[act], need_dx, need_dw, need_db, "torch")})
 
 
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)

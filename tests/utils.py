@@ -27,3 +27,20 @@ def poison_(t):
 def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0, offset=0.0, requires_grad=False):
     t = torch.randn(*shape, dtype=torch.float32, device=device) * scale + offset
     return t.to(dtype).requires_grad_(requires_grad)
+
+
+def cuda_kernels_on_cpu(monkeypatch, impls):
+    """Generator for a fixture: each op of `impls` ({"norm_fwd_cuda": fn, ...}) gets fn as its CPU
+    kernel and "cuda" is chosen on CPU, so that the C++ autograd of the *_train_cuda ops, which
+    reach the kernels through the dispatcher, and the Python that routes to it run on CPU."""
+    import pytest
+
+    from ampkernels import _extension, backends
+    if not _extension.load():
+        pytest.skip(f"extension not built here: {_extension.status()[1]}")
+    lib = torch.library.Library("ampkernels", "IMPL")
+    for name, fn in impls.items():
+        lib.impl(name, fn, "CPU")
+    monkeypatch.setattr(backends, "select", lambda op, backend, device, pref, unsupported=None: "cuda")
+    yield
+    lib._destroy()

@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import gc
 import importlib
+import itertools
 import statistics
 import time
 
@@ -244,21 +245,46 @@ class _StepTimer:
         return wall * 1e3, wall
 
 
+def model_copy(work, converts, device):
+    """(a copy of work.model on device, modules replaced, fused loss) -- converted as a user
+    would in one line: convert, and for a causal LM the fused LM head + loss."""
+    model = copy.deepcopy(work.model).to(device).train()
+    if not converts:
+        return model, None, None
+    conv = importlib.import_module(f"ampkernels.integrations.{work.integration}").apply(model, **work.convert_kwargs)
+    return model, len(conv.replaced), conv.fused_loss
+
+
+def training_step(work, model, fwd, dtype, device):
+    """step() -> loss: one training step of model (forward through fwd, the model or its
+    compiled form; autocast to dtype unless None, GradScaler for fp16, fused AdamW), on the
+    next of work.batches each call."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
+    batches = [_to(b, device) for b in work.batches]
+    calls = itertools.count()
+
+    def step():
+        batch = batches[next(calls) % len(batches)]
+        with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = work.loss(fwd, batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
 def train(recorder, work, mode, compiled, steps, device):
     """One mode: train a copy of work.model for `steps` steps; one row."""
     dtype, converts = MODES[mode]
-    model = copy.deepcopy(work.model).to(device).train()
-    replaced = fused_loss = None
-    if converts:  # the one line a user adds: convert, and for a causal LM the fused LM head + loss
-        conv = importlib.import_module(f"ampkernels.integrations.{work.integration}").apply(model, **work.convert_kwargs)
-        replaced, fused_loss = len(conv.replaced), conv.fused_loss
+    model, replaced, fused_loss = model_copy(work, converts, device)
     fwd = model
     if compiled:
         torch._dynamo.reset()
         fwd = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
-    batches = [_to(b, device) for b in work.batches]
+    step = training_step(work, model, fwd, dtype, device)
     cuda = device == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -266,14 +292,8 @@ def train(recorder, work, mode, compiled, steps, device):
     timer, times, first_s, loss = _StepTimer(device), [], None, None
     warm = max(1, steps // 2)
     for i in range(steps):
-        batch = batches[i % len(batches)]
         timer.start()
-        with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = work.loss(fwd, batch)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+        loss = step()
         ms, wall = timer.stop()
         if i == 0:
             first_s = wall  # includes compilation under torch.compile

@@ -35,7 +35,6 @@ from ..triton import device_index, device_properties
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _ACT_SET = frozenset(reference.ACTIVATIONS)
-_ACT_IDS = {name: i for i, name in enumerate(reference.ACTIVATIONS)}
 
 
 def _eager(x, weight, bias, activation):
@@ -360,7 +359,8 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     if training and name == "cuda" and not recompute and (cast_to is None or activation != "identity") \
             and eager_call(x2, weight, bias):
         # autograd in C++ (csrc/ops.cpp): neither pass runs Python per call
-        y = torch.ops.ampkernels.linear_act_train_cuda.default(x2, weight, bias, _ACT_IDS[activation], cast_to)
+        y = torch.ops.ampkernels.linear_act_train_cuda.default(x2, weight, bias, reference.activation_id(activation),
+                                                            cast_to)
     elif training and (name != "torch" or recompute):
         # the Function casts master weights itself, so that their gradients come back in their
         # own dtype straight from the GEMM
