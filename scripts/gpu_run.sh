@@ -4,7 +4,7 @@
 # tool, so plots are drawn afterwards from results.jsonl); a short summary is printed last.
 # docs/benchmarking.md describes the runs and how to read what comes back.
 #
-#   bash scripts/gpu_run.sh                       # everything: pytest -m gpu -n 6, then all benchmarks
+#   bash scripts/gpu_run.sh                       # everything: pytest -m gpu -n 12, then all benchmarks
 #   GPU_TESTS="tests/test_layer_norm.py" GPU_BENCH="layer_norm" bash scripts/gpu_run.sh
 #   GPU_TESTS=none GPU_BENCH="linear_act" BENCH_ARGS="--quick" bash scripts/gpu_run.sh
 #   GPU_TESTS=none GPU_BENCH=none GPU_CMD='python scripts/profile_mlp_block.py --out "$OUT"' bash scripts/gpu_run.sh
@@ -12,8 +12,9 @@
 # GPU_TESTS: pytest paths/args for `pytest -m gpu` ("tests" by default, "none" skips; split on
 # spaces, so a -k expression there must be one word); GPU_TESTS_K: a -k expression of any length
 # (its words also match the names of the directories above the tests: use words only test names
-# have); GPU_TEST_WORKERS: pytest-xdist workers (6; 0 runs in one process). The 15 slowest tests
-# are listed at the end of tests.log.
+# have); GPU_TEST_WORKERS: pytest-xdist workers (12, handing out tests one at a time: the
+# tier's time goes to compiling kernels, on the host's cores; 0 runs in one process). The 15
+# slowest tests are listed at the end of tests.log, every test's time is in tests.xml.
 # GPU_BENCH: benchmark ops (ampkernels/bench/bench_<op>.py; "all" by default, "none" skips);
 # BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows; set it literally, from this side's git (the
@@ -77,7 +78,7 @@ if [ "${GPU_TESTS:-tests}" != none ]; then
   # before it prints which example failed)
   # shellcheck disable=SC2086
   step tests tests.log timeout -s INT -k 60 "${TESTS_TIMEOUT:-3000}" $PY -m pytest -m gpu -q -p no:cacheprovider \
-    -n "${GPU_TEST_WORKERS:-6}" --durations=15 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:-tests}
+    -n "${GPU_TEST_WORKERS:-12}" --dist worksteal --durations=15 --junitxml="$OUT/tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:-tests}
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then

@@ -45,18 +45,17 @@ run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", "gated", 
   awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=$0} /^=========     at / && kind {print kind " | " substr($0, 1, 160); kind=""}' \
     "$log" | sort | uniq -c | sort -rn | head -8 | tee -a "$summary"
 }
+GEMM_OPS="linear_act mlp gated lce"  # the ops whose cases also run cuBLAS (their initcheck needs the control)
 for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
   if [ "$tool" = initcheck ]; then
     run initcheck norms $BACKENDS
-    for ops in linear_act mlp gated lce; do
-      run initcheck $ops $BACKENDS
-      run initcheck $ops torch
-      # Triton with plain stores instead of TMA descriptors: if the tool misses TMA-store writes,
-      # the reports of the Triton run above vanish here (for mlp, but for the reads of what
-      # cuBLAS wrote: its backward's dh = dout @ W2 is a torch matmul, read by the act' kernel);
-      # the gated and cross-entropy kernels use no TMA
-      case " $BACKENDS :$ops" in *" triton "*:linear_act|*" triton "*:mlp) AMPKERNELS_TRITON_TMA=0 run initcheck $ops triton ;; esac
-    done
+    run initcheck "$GEMM_OPS" $BACKENDS
+    run initcheck "$GEMM_OPS" torch
+    # Triton with plain stores instead of TMA descriptors: if the tool misses TMA-store writes,
+    # the reports of the Triton run above vanish here (but for the reads of what cuBLAS wrote,
+    # e.g. the MLP backward's dh = dout @ W2, a torch matmul read by the act' kernel); the gated
+    # and cross-entropy kernels use no TMA
+    case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 run initcheck "$GEMM_OPS" triton ;; esac
   elif [ "$tool" = racecheck ]; then  # the slowest tool: one run per backend, each with its own timeout
     for backend in $BACKENDS; do run racecheck all "$backend"; done
   else

@@ -11,8 +11,8 @@ outputs and gradients, and that no input was modified. A failure names the case'
 parameters; AMPKERNELS_FUZZ_SEED=<seed> reruns that case alone (in the test that reported it).
 
 GPU tier: ~13,660 cases. The cuda backend takes the whole space; the triton backend a palette
-per test (a Triton kernel compiles once per pointer-dtype signature, BLOCK_N and integer
-argument class: ==1, multiple of 16, other), so that its compiles stay bounded, with autotuning
+per test (a Triton kernel compiles once per pointer-dtype signature, pointer alignment, BLOCK_N
+and integer argument class: ==1, multiple of 16, other), so that its compiles stay bounded, with autotuning
 off (one config per kernel: the masking and indexing under test are the same for every tile).
 AMPKERNELS_FUZZ_SCALE=<float> scales every case count (e.g. 0.1 for a quick look, 10 for a soak).
 CPU tier: a few hundred cases, the Triton kernels under TRITON_INTERPRET=1 (fp16/fp32) and the
@@ -72,6 +72,7 @@ def tensor(shape, dtype, device, gen, layout="contiguous", scale=1.0, offset=0.0
 
 
 LAYOUTS = ("contiguous", "contiguous", "offset", "strided", "transposed")
+ALIGNED_LAYOUTS = ("contiguous", "contiguous", "strided", "transposed")  # the op copies the last two: aligned
 
 
 # ---------------------------------------------------------------- norms
@@ -81,7 +82,11 @@ LAYOUTS = ("contiguous", "contiguous", "offset", "strided", "transposed")
 N_BINS = ((1, 1), (2, 8), (9, 64), (65, 300), (700, 1100), (2000, 2600))
 
 
-def norm_case(rng, gen, params, backend, device, combos, bins=N_BINS):
+NORM_ROLES = ("x", "residual", "weight", "bias")
+
+
+def norm_case(rng, gen, params, backend, device, combos, bins=N_BINS, misaligned=NORM_ROLES):
+    """One norm case; only the tensors named in `misaligned` may sit at a misaligned storage offset."""
     combo = rng.choice(combos)
     lo, hi = rng.choice(bins)
     n = rng.randint(lo, hi)
@@ -101,7 +106,7 @@ def norm_case(rng, gen, params, backend, device, combos, bins=N_BINS):
         # the backward reads the sum as stored, rounded to 16 bits: at a mean of 100 that rounding
         # is ~5% of x - mean (the contract: docs/reliability.md), no test of the kernels' accuracy
         offset = 0.0
-    layouts = [rng.choice(LAYOUTS) for _ in range(4)]
+    layouts = [rng.choice(LAYOUTS if role in misaligned else ALIGNED_LAYOUTS) for role in NORM_ROLES]
     eps = rng.choice([1e-5, 1e-6, 1e-2])
     use = rng.choice(["both", "out", "res_out"]) if combo.residual is not None else "out"
     params.update(backend=backend, combo=str(combo), shape=shape, normalized_shape=nshape, scale=scale,
@@ -119,6 +124,14 @@ def norm_case(rng, gen, params, backend, device, combos, bins=N_BINS):
 
 def every_combo(dtypes, x_dtypes=None):
     return [c for is_rms in (False, True) for x in (x_dtypes or dtypes) for c in norm_combos(is_rms, x, dtypes)]
+
+
+# The one tensor each Triton norm test may misalign (a misaligned pointer is one more
+# specialisation for every kernel it meets; all of them misaligned independently multiplied
+# the compiles, the tier's time): between them the six tests misalign each tensor the op takes
+TRITON_MISALIGNED = {(False, torch.float16): "residual", (False, torch.bfloat16): "weight",
+                     (False, torch.float32): "bias", (True, torch.float16): "x", (True, torch.bfloat16): "residual",
+                     (True, torch.float32): "weight"}
 
 
 def triton_palette(rng, is_rms, x_dtype, dtypes=ALL, size=4):
@@ -140,7 +153,8 @@ def test_norms_gpu_cuda(request, chunk):
 @pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
 def test_norms_gpu_triton(request, is_rms, x_dtype):
     combos, bins = triton_palette(random.Random(input_seed(request.node.nodeid, "palette")), is_rms, x_dtype)
-    run_cases(request, 500, lambda rng, gen, p: norm_case(rng, gen, p, "triton", "cuda", combos, bins))
+    misaligned = (TRITON_MISALIGNED[is_rms, x_dtype],)
+    run_cases(request, 500, lambda rng, gen, p: norm_case(rng, gen, p, "triton", "cuda", combos, bins, misaligned))
 
 
 @needs_triton
