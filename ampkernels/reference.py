@@ -45,7 +45,8 @@ def act_fwd(z, name):
         return F.gelu(z, approximate="tanh")
     if name == "silu":
         return F.silu(z)
-    return F.relu(z).square()  # squared_relu
+    r = F.relu(z)  # squared_relu: r * r, not square(), which CUDA autocast runs (as pow) in fp32
+    return r * r
 
 
 def act_grad(z, name):

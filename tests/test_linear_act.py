@@ -758,6 +758,22 @@ def test_gpu_autocast_fp32_params_and_grad_scaler(backend, dtype, activation, sh
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_autocast_output_dtype_every_activation(backend):
+    # the output in the autocast dtype on every backend and activation: the torch path computes
+    # the activation itself, where CUDA autocast would run square() (squared_relu) in fp32
+    x = torch.randn(33, 40, device="cuda")
+    lin = torch.nn.Linear(40, 24, device="cuda")
+    for activation in ACTS:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = ampkernels.linear_act(x, lin.weight, lin.bias, activation, backend=backend)
+        assert y.dtype == torch.bfloat16, (activation, y.dtype)
+        y.float().sum().backward()
+        assert lin.weight.grad.dtype == torch.float32, activation
+        lin.zero_grad()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_compile_fullgraph(backend):
     x, w, b = (t.requires_grad_() for t in _inputs(128, 256, 512, torch.bfloat16, "cuda"))

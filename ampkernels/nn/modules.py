@@ -131,7 +131,7 @@ _ACTIVATION_MODULES = {
 
 class _SquaredReLU(torch.nn.Module):
     def forward(self, x):
-        return torch.relu(x).square()
+        return reference.act_fwd(x, "squared_relu")
 
 
 class FusedMLP(torch.nn.Sequential):
