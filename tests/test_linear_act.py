@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import ampkernels
 from ampkernels import _extension, backends, reference
 from ampkernels.ops import linear_act as la
+from ampkernels.ops.shared import autocast_dtypes
 from tests.utils import assert_rel_close, cuda_kernels_on_cpu, poison_, randn
 
 # one Triton config per kernel: the session compiles each (activation, dtype) variant once
@@ -1023,7 +1024,7 @@ def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activat
         g = randn(7, n, dtype=torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=master):
             y = la.linear_act(x, w, b, activation)  # "cuda" (patched): the C++ Function unless excluded
-            x2, cast_to = la.autocast_dtypes("linear_act", x, (w, b), ("weight", "bias"))
+            x2, cast_to = autocast_dtypes("linear_act", x, (w, b), ("weight", "bias"))
             want = la.LinearActFunction.apply(x2, w, b, activation, "cuda", False, cast_to)
         assert ("LinearActTrain" in y.grad_fn.name()) == (not master or activation != "identity")
         assert y.dtype == want.dtype and torch.equal(y, want)

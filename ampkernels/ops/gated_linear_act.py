@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .. import backends, reference
 from . import linear_act as la
-from . import mlp
+from .shared import autocast_dtypes, dies_with_this_backward, eager_call
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = reference.GATED_ACTIVATIONS
@@ -156,7 +156,7 @@ def _(dh, x, wg, wu, gu, activation, need_dx, wg_dtype, wu_dtype, bg_dtype, bu_d
 
 
 def _fwd(x, wg, wu, bg, bu, activation, store, backend):
-    if la.eager_call(x, wg, wu, bg, bu):
+    if eager_call(x, wg, wu, bg, bu):
         return fwd_impl(x, wg, wu, bg, bu, activation, store, backend)
     return torch.ops.ampkernels.gated_linear_act_fwd(x, wg, wu, bg, bu, activation, store, backend)
 
@@ -200,9 +200,9 @@ class GatedLinearActFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         dtypes = [dt if need[i + 1] else None for i, dt in enumerate(ctx.dtypes)]
         args = (dh.contiguous(), x, wg, wu, gu, ctx.activation, need[0], *dtypes, ctx.backend)
-        if la.eager_call(dh, x, wg, wu, gu):
+        if eager_call(dh, x, wg, wu, gu):
             # dg, du over gu itself when nothing reads gu after this backward
-            dx, dwg, dwu, dbg, dbu = bwd_impl(*args, inplace=ctx.recompute or mlp._dies_with_this_backward(gu))
+            dx, dwg, dwu, dbg, dbu = bwd_impl(*args, inplace=ctx.recompute or dies_with_this_backward(gu))
         else:
             dx, dwg, dwu, dbg, dbu = torch.ops.ampkernels.gated_linear_act_bwd(*args)
         grads = [g if dt is not None else None for g, dt in zip((dwg, dwu, dbg, dbu), dtypes)]
@@ -269,7 +269,7 @@ def _prepare(op, x, params, activation, backend, recompute):
     """The shared preamble of the functional APIs: (x2, params, cast_to, backend name, training).
     params: (wg, wu, bg, bu[, more]); made contiguous when a kernel (or recompute) takes them."""
     device = x.device
-    x, cast_to = la.autocast_dtypes(op, x, params, _NAMES[1:] + ("down_weight", "down_bias"),
+    x, cast_to = autocast_dtypes(op, x, params, _NAMES[1:] + ("down_weight", "down_bias"),
                                     "x, the weights and the biases")
     k, hidden = x.shape[-1], params[0].shape[0]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
@@ -360,7 +360,7 @@ class GatedMLPFunction(torch.autograd.Function):
         dbd = dout.sum(0, dtype=torch.float32).to(dtypes[5]) if dtypes[5] is not None else None
         dh = dout.mm(wd)
         dx, dwg, dwu, dbg, dbu = bwd_impl(dh, x, wg, wu, gu, ctx.activation, need[0], *dtypes[:4], ctx.backend,
-                                          inplace=mlp._dies_with_this_backward(gu))
+                                          inplace=dies_with_this_backward(gu))
         grads = [g if dt is not None else None for g, dt in zip((dwg, dwu, dbg, dbu), dtypes)]
         return (dx if need[0] else None, *grads, dwd, dbd, None, None, None)
 
@@ -384,7 +384,7 @@ def gated_mlp(x, gate_weight, up_weight, gate_bias, up_bias, down_weight, down_b
         return F.linear(h, down_weight, down_bias)
     params = (gate_weight, up_weight, gate_bias, up_bias, down_weight, down_bias)
     x2, params, cast_to, name, training = _prepare("gated_mlp", x, params, activation, backend, False)
-    if name == "torch" or not training or not la.eager_call(x2, *params):
+    if name == "torch" or not training or not eager_call(x2, *params):
         h = gated_linear_act(x, gate_weight, up_weight, gate_bias, up_bias, activation, backend=backend)
         return F.linear(h, down_weight, down_bias)
     out = GatedMLPFunction.apply(x2, *params, activation, name, cast_to)

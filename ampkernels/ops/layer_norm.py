@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, reference
-from .linear_act import eager_call
+from .shared import eager_call
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends, reference
+from .shared import autocast_dtypes, eager_call
 from ..triton import device_index, device_properties
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -155,20 +156,6 @@ def _(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad
     gd = grad_dtype or x.dtype
     return (x.new_empty((m, k) if need_dx else (0,)), x.new_empty((n, k), dtype=gd) if need_dw else x.new_empty(0),
             x.new_empty((n,), dtype=gd) if need_db else x.new_empty(0))
-
-
-# ---------------------------------------------------------------- eager fast path
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def eager_call(*tensors):
-    """True when the call may skip the custom-op wrapper and run the implementation directly.
-
-    The custom op is what tracing needs (torch.compile, export, fake and other subclass tensors);
-    in plain eager mode its Python wrapper costs tens of microseconds per call, as much as a
-    small GEMM takes on the GPU. Both routes run the same implementation."""
-    return not torch.compiler.is_compiling() and all(t is None or type(t) in _PLAIN for t in tensors)
 
 
 def _fwd(x, weight, bias, activation, store_pre, backend):
@@ -314,20 +301,6 @@ def _check_args(x, weight, bias):
         raise ValueError(f"linear_act: weight is on {weight.device} but x is on {dev}")
     if bias is not None and bias.device != dev:
         raise ValueError(f"linear_act: bias is on {bias.device} but x is on {dev}")
-
-
-def autocast_dtypes(op, x, params, names, what="x, weight and bias"):
-    """F.linear's dtype rule, for the ops built on GEMMs: under autocast x is cast to the autocast
-    dtype, and cast_to is that dtype when a parameter differs from it (fp32 master weights, cast
-    inside the op's Function); without autocast x and the parameters must share a dtype
-    (TypeError naming each). Returns (x, cast_to)."""
-    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-        return x, (x.dtype if any(t is not None and t.dtype != x.dtype for t in params) else None)
-    if any(t is not None and t.dtype != x.dtype for t in params):
-        got = ", ".join(f"{n} {None if t is None else t.dtype}" for n, t in zip(("x", *names), (x, *params)))
-        raise TypeError(f"{op}: {what} must share a dtype (as for F.linear), got {got}")
-    return x, None
 
 
 def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, recompute=False):

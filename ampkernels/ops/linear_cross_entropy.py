@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from .linear_act import autocast_dtypes, eager_call
+from .shared import autocast_dtypes, eager_call
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum", "none")

@@ -8,7 +8,7 @@ Under autocast the weights are cast inside (FusedMLPFunction): w1 is kept as the
 parameter and cast again late in backward; w2's cast is kept and freed once used.
 
 Eager calls run the implementations directly; torch.compile and opcheck see the custom ops
-(linear_act's eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
+(shared.eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
 storing the pre-activation, then a GEMM + bias. Backward, ordered so that at most two
 hidden-sized tensors are alive (pre and one more): h recomputed by the bias_act kernel (Triton:
 act_forward, the forward epilogue's formulas: the forward's bits), dw2 (+ db2) from it, h freed;
@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .. import backends, reference
 from . import bias_act, linear_act as la
+from .shared import dies_with_this_backward, eager_call
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -102,20 +103,6 @@ def _(dout, x, w1, w2, pre, activation, b1_dtype, b2_dtype, backend):
             bias_grad(b2_dtype, w2.shape[0]))
 
 
-def _dies_with_this_backward(saved):
-    """True when a saved tensor may be freed inside backward, as soon as it is used.
-
-    Autograd frees a node's saved tensors after its backward unless the graph is kept
-    (retain_graph / create_graph): then a later backward reads them again, and they stay. The
-    tensor must own its whole storage (forward made it; a saved-tensor hook may hand back
-    something else). Freeing pre (and our cast of w2) before layer 1's gradients are formed
-    lowers the step's peak where weight gradients are large against activations (T=8192,
-    H=4096: pre is 256 MiB, w2's cast 128 MiB)."""
-    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return (keep_graph is not None and not keep_graph() and saved._base is None
-            and saved.untyped_storage().nbytes() == saved.numel() * saved.element_size())
-
-
 class FusedMLPFunction(torch.autograd.Function):
     """dtype: the compute dtype the weights and biases are cast to (autocast's), or None when
     they are in x's dtype already. w1 is saved as given: under autocast that is the fp32
@@ -126,7 +113,7 @@ class FusedMLPFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, w1, b1, w2, b2, activation, backend, dtype=None):
         w1c, b1c, w2c, b2c = (t if t is None or dtype is None else t.to(dtype) for t in (w1, b1, w2, b2))
-        op = _fwd_impl if la.eager_call(x, w1c, b1c, w2c, b2c) else torch.ops.ampkernels.fused_mlp_fwd
+        op = _fwd_impl if eager_call(x, w1c, b1c, w2c, b2c) else torch.ops.ampkernels.fused_mlp_fwd
         out, pre = op(x, w1c, b1c, w2c, b2c, activation, backend)
         ctx.save_for_backward(x, w1, w2c, pre)
         ctx.activation, ctx.backend = activation, backend
@@ -139,10 +126,10 @@ class FusedMLPFunction(torch.autograd.Function):
     def backward(ctx, dout):
         x, w1, w2, pre = ctx.saved_tensors
         args = (dout.contiguous(), x, w1, w2, pre, ctx.activation, *ctx.bias_dtypes, ctx.backend)
-        if la.eager_call(dout, x, w1, w2, pre):
-            release = _dies_with_this_backward(pre)
+        if eager_call(dout, x, w1, w2, pre):
+            release = dies_with_this_backward(pre)
             dx, dw1, db1, dw2, db2 = _bwd_impl(*args, release_pre=release,
-                                               release_w2=release and ctx.w2_is_own_cast and _dies_with_this_backward(w2))
+                                               release_w2=release and ctx.w2_is_own_cast and dies_with_this_backward(w2))
         else:
             dx, dw1, db1, dw2, db2 = torch.ops.ampkernels.fused_mlp_bwd(*args)
         none_if_empty = lambda g, dt: None if dt is None else g  # noqa: E731
