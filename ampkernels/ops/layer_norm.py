@@ -126,10 +126,6 @@ def _bwd_op():
     return torch.ops.ampkernels.norm_bwd if torch.compiler.is_compiling() else _bwd_impl
 
 
-def _norm_train_cuda():  # forward and backward in C++ (csrc/ops.cpp), for the cuda backend in eager
-    return torch.ops.ampkernels.norm_train_cuda.default
-
-
 class NormFunction(torch.autograd.Function):
     """out = norm(x [+ residual]) over the last dim of 2-D contiguous tensors; returns out, or
     (out, residual_out) when a residual is given. backend runs the forward, bwd_backend the
@@ -280,7 +276,8 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w2, b2, res2)):
         if name == bwd_name == "cuda" and eager_call(x2, w2, b2, res2):
             # autograd in C++ (csrc/ops.cpp): neither pass runs Python per call
-            out, res_out = _norm_train_cuda()(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32))
+            out, res_out = torch.ops.ampkernels.norm_train_cuda.default(x2, w2, b2, res2, float(eps), is_rms, out_dtype,
+                                                                        bool(residual_in_fp32))
             result = out if res2 is None else (out, res_out)
         else:
             result = NormFunction.apply(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32), name,

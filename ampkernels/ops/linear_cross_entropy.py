@@ -148,8 +148,9 @@ def _pad_rows(t, n):
     """t with its first dimension zero-padded to n (t itself when it already has n rows)."""
     if t is None or t.shape[0] == n:
         return t
-    out = t.new_zeros((n,) + tuple(t.shape[1:]))
+    out = t.new_empty((n,) + tuple(t.shape[1:]))
     out[:t.shape[0]].copy_(t)
+    out[t.shape[0]:].zero_()  # only the padding: the copy writes the rest
     return out
 
 
