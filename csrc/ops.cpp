@@ -12,8 +12,10 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
@@ -769,6 +771,157 @@ TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
 }
 TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
   m.impl("linear_act_train_cuda", &linear_act_train);
+}
+
+
+// ---------------------------------------------------------------- gated MLP training op, autograd in C++
+
+// gated_mlp_train_cuda = ampkernels/ops/gated_linear_act.py's GatedMLPFunction on the cuda
+// backend (down(act(x Wg^T + bg) * (x Wu^T + bu)), keeping x, the weights and gu = [g | u] only;
+// h recomputed from gu in backward), with no Python per call in either pass. The kernels are
+// reached through the dispatcher (gated_{linear_act,act}_{fwd,bwd}_cuda), so a test checks this
+// wiring on CPU against the Python Function with the reference standing in for them.
+// cast_to: the compute dtype of fp32 master weights under autocast; wg and wu are cast into the
+// two halves of one buffer (the GEMMs then run packed), every gradient comes back in its
+// parameter's dtype.
+using GatedFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                      const std::optional<at::Tensor>&,
+                                                      const std::optional<at::Tensor>&, int64_t, bool);
+using GatedActFn = at::Tensor(const at::Tensor&, int64_t);
+using GatedActBwdFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
+
+// linear_act.weight_grad: dz^T inp, in fp32 straight from the GEMM for 16-bit dz on CUDA where
+// this torch has mm.dtype (2.8 and newer)
+at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& inp, at::ScalarType dtype) {
+  if (dtype == at::kFloat && dz.scalar_type() != dtype && dz.is_cuda()) {
+    static const auto mm_dtype = c10::Dispatcher::singleton().findSchema({"aten::mm", "dtype"});
+    if (mm_dtype)
+      return mm_dtype->typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>().call(dz.t(), inp,
+                                                                                                    dtype);
+  }
+  return dz.t().mm(inp).to(dtype);
+}
+
+// gated_linear_act.packed_weights: [wg; wu] as one (2H, K) view when wu's memory follows wg's
+std::optional<at::Tensor> packed_weights(const at::Tensor& wg, const at::Tensor& wu) {
+  if (wg.sizes() != wu.sizes() || wg.scalar_type() != wu.scalar_type() || wg.device() != wu.device() ||
+      wg.numel() == 0 || !wg.is_contiguous() || !wu.is_contiguous())
+    return std::nullopt;
+  if (wu.storage().data_ptr().get() != wg.storage().data_ptr().get() ||
+      wu.storage_offset() != wg.storage_offset() + wg.numel())
+    return std::nullopt;
+  return wg.as_strided({2 * wg.size(0), wg.size(1)}, {wg.size(1), 1});
+}
+
+// mlp.dies_with_this_backward: gu may be overwritten when no later backward reads it
+bool dies_with_this_backward(const at::Tensor& saved) {
+  return !torch::autograd::get_current_graph_task_keep_graph() && !saved.is_view() &&
+         saved.storage().nbytes() == size_t(saved.numel()) * saved.element_size();
+}
+
+int64_t dtype_id(const std::optional<at::Tensor>& t) { return t ? int64_t(t->scalar_type()) : int64_t(-1); }
+
+struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& wg,
+                            const at::Tensor& wu, const std::optional<at::Tensor>& bg,
+                            const std::optional<at::Tensor>& bu, const at::Tensor& wd,
+                            const std::optional<at::Tensor>& bd, int64_t activation,
+                            std::optional<at::ScalarType> cast_to) {
+    static const auto fwd = typed_op<GatedFwdFn>("ampkernels::gated_linear_act_fwd_cuda");
+    const int64_t hidden = wg.size(0);
+    // each parameter's dtype, -1 for an absent bias
+    ctx->saved_data["dtypes"] = std::vector<int64_t>{dtype_id(wg), dtype_id(wu), dtype_id(bg), dtype_id(bu),
+                                                     dtype_id(wd), dtype_id(bd)};
+    at::Tensor wgc = wg, wuc = wu, wdc = wd;
+    std::optional<at::Tensor> bgc = bg, buc = bu, bdc = bd;
+    if (cast_to) {
+      at::Tensor w = at::empty({2 * hidden, wg.size(1)}, wg.options().dtype(*cast_to));
+      w.narrow(0, 0, hidden).copy_(wg);
+      w.narrow(0, hidden, hidden).copy_(wu);
+      wgc = w.narrow(0, 0, hidden);
+      wuc = w.narrow(0, hidden, hidden);
+      const auto cast = [&](const std::optional<at::Tensor>& t) {
+        return t ? std::optional<at::Tensor>(t->to(*cast_to)) : std::nullopt;
+      };
+      bgc = cast(bg);
+      buc = cast(bu);
+      wdc = wd.to(*cast_to);
+      bdc = cast(bd);
+    }
+    auto [h, gu] = fwd.call(x, wgc, wuc, bgc, buc, activation, true);
+    at::Tensor out = at::linear(h, wdc, bdc);
+    ctx->save_for_backward({x, wgc, wuc, wdc, gu});
+    ctx->saved_data["activation"] = activation;
+    // needs_input_grad counts the tensor inputs only (an absent bias has no edge)
+    int64_t edge = 3;
+    ctx->saved_data["bg_edge"] = bg ? edge++ : int64_t(-1);
+    ctx->saved_data["bu_edge"] = bu ? edge++ : int64_t(-1);
+    ctx->saved_data["wd_edge"] = edge++;
+    ctx->saved_data["bd_edge"] = bd ? edge++ : int64_t(-1);
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto act_fwd = typed_op<GatedActFn>("ampkernels::gated_act_fwd_cuda");
+    static const auto act_bwd = typed_op<GatedActBwdFn>("ampkernels::gated_act_bwd_cuda");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &wg = saved[1], &wu = saved[2], &wd = saved[3];
+    at::Tensor gu = saved[4];
+    const int64_t activation = ctx->saved_data["activation"].toInt();
+    const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
+    // the dtype of each wanted gradient (wg, wu, bg, bu, wd, bd), or none
+    const auto want = [&](size_t i, int64_t edge) -> std::optional<at::ScalarType> {
+      if (edge < 0 || !ctx->needs_input_grad(size_t(edge))) return std::nullopt;
+      return at::ScalarType(dtypes[i]);
+    };
+    const auto edge = [&](const char* key) { return ctx->saved_data[key].toInt(); };
+    const auto wg_dt = want(0, 1), wu_dt = want(1, 2), bg_dt = want(2, edge("bg_edge")),
+               bu_dt = want(3, edge("bu_edge")), wd_dt = want(4, edge("wd_edge")), bd_dt = want(5, edge("bd_edge"));
+    const bool need_dx = ctx->needs_input_grad(0);
+    const at::Tensor dout = grads[0].contiguous();
+    at::Tensor dwd, dbd;
+    {  // down projection: dWd from the recomputed h, freed before dh exists
+      const at::Tensor h = act_fwd.call(gu, activation);
+      if (wd_dt) dwd = weight_grad(dout, h, *wd_dt);
+    }
+    if (bd_dt) dbd = dout.sum(at::IntArrayRef{0}, false, at::kFloat).to(*bd_dt);
+    const at::Tensor dh = dout.mm(wd);
+    const int64_t hidden = dh.size(1);
+    const bool need_db = bg_dt || bu_dt;
+    at::Tensor dgu = dies_with_this_backward(gu) ? gu : at::empty_like(gu);
+    const at::Tensor db32 = act_bwd.call(dh, gu, dgu, activation, need_db);
+    const at::Tensor dg = dgu.narrow(1, 0, hidden), du = dgu.narrow(1, hidden, hidden);
+    at::Tensor dx;
+    if (need_dx) {
+      if (const auto w = packed_weights(wg, wu)) {
+        dx = dgu.mm(*w);
+      } else {
+        dx = dg.mm(wg);
+        dx.addmm_(du, wu);
+      }
+    }
+    at::Tensor dwg = wg_dt ? weight_grad(dg, x, *wg_dt) : at::Tensor();
+    at::Tensor dwu = wu_dt ? weight_grad(du, x, *wu_dt) : at::Tensor();
+    at::Tensor dbg = bg_dt ? db32.narrow(0, 0, hidden).to(*bg_dt, false, true) : at::Tensor();
+    at::Tensor dbu = bu_dt ? db32.narrow(0, hidden, hidden).to(*bu_dt, false, true) : at::Tensor();
+    return {dx, dwg, dwu, dbg, dbu, dwd, dbd, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor gated_mlp_train(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
+                           const std::optional<at::Tensor>& bg, const std::optional<at::Tensor>& bu,
+                           const at::Tensor& wd, const std::optional<at::Tensor>& bd, int64_t activation,
+                           std::optional<at::ScalarType> cast_to) {
+  return GatedMLPTrain::apply(x, wg, wu, bg, bu, wd, bd, activation, cast_to);
+}
+
+TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
+  m.def("gated_mlp_train_cuda(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate_bias, Tensor? up_bias, "
+        "Tensor down_weight, Tensor? down_bias, int activation, ScalarType? cast_to) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
+  m.impl("gated_mlp_train_cuda", &gated_mlp_train);
 }
 
 }  // namespace

@@ -21,7 +21,8 @@ import ampkernels
 import ampkernels.nn
 from ampkernels import _extension, backends, reference
 from ampkernels.ops import gated_linear_act as gla
-from tests.utils import assert_rel_close, randn
+from ampkernels.ops.shared import autocast_dtypes
+from tests.utils import assert_rel_close, cuda_kernels_on_cpu, randn
 
 os.environ.setdefault("AMPKERNELS_TRITON_AUTOTUNE", "0")  # one config per kernel (see test_linear_act.py)
 
@@ -344,6 +345,56 @@ def test_gated_mlp_triton_fp32_master_weights_under_autocast():
 
 def test_gated_mlp_torch_path():
     _mlp_check("torch", torch.float32, "gelu", biases=(True, True), down_bias=True)
+
+
+# ---------------------------------------------------------------- the C++ autograd of the cuda backend
+
+@pytest.fixture
+def reference_as_cuda_kernels(monkeypatch):
+    """The gated cuda kernels run the torch path on CPU: gated_mlp_train_cuda's C++ autograd
+    checked there against GatedMLPFunction, which reaches the same ops."""
+    name = reference.ACTIVATIONS.__getitem__
+    yield from cuda_kernels_on_cpu(monkeypatch, {
+        "gated_linear_act_fwd_cuda": lambda x, wg, wu, bg, bu, act, store:
+            gla.fwd_impl(x, wg, wu, bg, bu, name(act), store, "torch"),
+        "gated_act_fwd_cuda": lambda gu, act: gla.gated_act(gu, name(act), "torch"),
+        "gated_act_bwd_cuda": lambda dh, gu, dgu, act, need_db:
+            _or_empty(gla.gated_act_backward_(dh, gu, dgu, name(act), need_db, "torch"), dh)})
+
+
+def _or_empty(db, like):
+    return like.new_empty(0, dtype=torch.float32) if db is None else db
+
+
+@pytest.mark.parametrize("activation", gla.ACTIVATIONS)
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("biases", [(True, True, True), (False, False, False), (False, True, True)])
+def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, biases):
+    k, hidden, n = 24, 20, 16
+    pdt = torch.float32 if master else torch.bfloat16
+    for grads_of in ("all", "x", "weights"):
+        x = randn(7, k, dtype=torch.float32 if master else torch.bfloat16).requires_grad_(grads_of != "weights")
+        wg, wu = (randn(hidden, k, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x") for _ in range(2))
+        wd = randn(n, hidden, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x")
+        bg, bu, bd = (randn(d, dtype=pdt).requires_grad_(grads_of == "all") if on else None
+                      for on, d in zip(biases, (hidden, hidden, n)))
+        params = (wg, wu, bg, bu, wd, bd)
+        leaves = [t for t in (x, *params) if t is not None and t.requires_grad]
+        g = randn(7, n, dtype=torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=master):
+            out = gla.gated_mlp(x, *params, activation)  # "cuda" (patched): the C++ Function
+            x2, cast_to = autocast_dtypes("gated_mlp", x, params, ("w",) * 6)
+            want = gla.GatedMLPFunction.apply(x2, *params, activation, "cuda", cast_to)
+        assert "GatedMLPTrain" in out.grad_fn.name()
+        assert out.dtype == want.dtype and torch.equal(out, want)
+        if grads_of == "all":  # a kept graph: the first backward leaves gu as it was for the second
+            kept = torch.autograd.grad(out, leaves, g, retain_graph=True)
+            for a, e in zip(kept, torch.autograd.grad(out, leaves, g, retain_graph=True)):
+                assert torch.equal(a, e)
+        got_g = torch.autograd.grad(out, leaves, g)
+        want_g = torch.autograd.grad(want, leaves, g)
+        for a, e in zip(got_g, want_g):
+            assert a.dtype == e.dtype and torch.equal(a, e)
 
 
 def test_fused_gated_mlp_is_llama_mlp():

@@ -387,5 +387,10 @@ def gated_mlp(x, gate_weight, up_weight, gate_bias, up_bias, down_weight, down_b
     if name == "torch" or not training or not eager_call(x2, *params):
         h = gated_linear_act(x, gate_weight, up_weight, gate_bias, up_bias, activation, backend=backend)
         return F.linear(h, down_weight, down_bias)
-    out = GatedMLPFunction.apply(x2, *params, activation, name, cast_to)
-    return out.reshape(*x.shape[:-1], down_weight.shape[0])
+    if name == "cuda":  # autograd in C++ (csrc/ops.cpp): neither pass runs Python per call
+        out = torch.ops.ampkernels.gated_mlp_train_cuda.default(x2, *params, reference.activation_id(activation),
+                                                                cast_to)
+    else:
+        out = GatedMLPFunction.apply(x2, *params, activation, name, cast_to)
+    # no reshape of 2-D x: a view would add an autograd node per call
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], down_weight.shape[0])
