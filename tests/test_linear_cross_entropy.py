@@ -333,6 +333,12 @@ def _opcheck(backend, dtype, device):
 
 def test_opcheck_cpu_torch():
     _opcheck("torch", torch.float32, "cpu")
+    # fp32 master weights with 16-bit x (what autocast passes): cast inside the op
+    x, w, b, t = _inputs(7, 16, 24, torch.float32, "cpu")
+    fwd = torch.ops.ampkernels.linear_cross_entropy_fwd.default
+    torch.library.opcheck(fwd, (x.bfloat16(), w, b, t, -100, 0.1, "mean", True, True, True, "torch"))
+    torch.library.opcheck(torch.ops.ampkernels.linear_cross_entropy_bwd.default,
+                          (torch.rand(7), x.bfloat16(), w, b, t, -100, 0.0, "none", True, True, True, "torch"))
 
 
 @needs_triton
@@ -505,6 +511,36 @@ def test_gpu_real_shape_and_bounded_memory(backend):
     assert peaks[8192] < bound and peaks[32768] < bound, (peaks, bound)
     # 4x the tokens: the bf16 logits alone would add 3 x 8192 x 50257 x 2 bytes (2.5 GB)
     assert peaks[32768] - peaks[8192] < 0.1 * 3 * 8192 * v * 2, peaks
+
+
+@pytest.mark.gpu
+def test_gpu_master_weights_memory():
+    # GPT-2's head with fp32 master weights under bf16 autocast: beyond the gradients themselves
+    # (fp32 dW, bf16 dx), one padded bf16 copy of the weight and one chunk of logits
+    k, v, m = 768, 50257, 8192
+    torch.manual_seed(0)
+    w = (torch.randn(v, k, device="cuda") / math.sqrt(k)).requires_grad_()
+    x = torch.randn(m, k, device="cuda").bfloat16().requires_grad_()
+    t = torch.randint(0, v, (m,), device="cuda")
+
+    def step():
+        x.grad = w.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ampkernels.linear_cross_entropy(x, w, t, backend="cuda").backward()
+
+    step()  # cuBLAS's workspace and handles, once per process
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    vp = lce.padded_vocab(v, x)
+    grads = vp * k * 4 + m * k * 2
+    extra = vp * k * 2 + lce.chunk_rows(m, k, v) * vp * 2
+    assert peak <= grads + extra + (8 << 20), (peak, grads, extra)
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
 
 
 @pytest.mark.gpu

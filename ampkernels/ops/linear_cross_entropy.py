@@ -40,16 +40,19 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum", "none")
 
 # A chunk's logits hold max(tokens * hidden, _CHUNK_MIN_ELEMS) elements at most (x's own size,
-# or 256 MiB in bf16 when x is smaller): bounded whatever tokens x vocab is, and wide enough
+# or 64 MiB in bf16 when x is smaller): bounded whatever tokens x vocab is, and wide enough
 # that the weight-gradient GEMM (K = chunk rows) is not dominated by re-reading its fp32
-# accumulator (vocab x hidden x 4 bytes read and written once per chunk).
-_CHUNK_MIN_ELEMS = 1 << 27
+# accumulator (vocab x hidden x 4 bytes read and written once per chunk). 64 MiB and the
+# compute-dtype copy of fp32 master weights keep GPT-2's head (8192 x 768 x 50257) under
+# Liger-Kernel's 160 MiB.
+_CHUNK_MIN_ELEMS = 1 << 25
 _ROW_ALIGN = 64
 
 
 def chunk_rows(m, k, v):
     """Rows of one chunk: as even as the chunk count allows, a multiple of 64 (alignment of
-    the GEMMs' row offsets) where the chunk holds more than 64 rows."""
+    the GEMMs' row offsets) where the chunk holds more than 64 rows, rounded up where that
+    stays within the budget (one chunk fewer), else down."""
     if m == 0:
         return 1
     cap = max(1, max(m * k, _CHUNK_MIN_ELEMS) // max(v, 1))
@@ -58,7 +61,8 @@ def chunk_rows(m, k, v):
     n_chunks = -(-m // cap)
     rows = -(-m // n_chunks)
     if rows > _ROW_ALIGN:
-        rows = rows // _ROW_ALIGN * _ROW_ALIGN
+        up = -(-rows // _ROW_ALIGN) * _ROW_ALIGN
+        rows = up if up <= cap else rows // _ROW_ALIGN * _ROW_ALIGN
     return max(1, rows)
 
 
@@ -144,11 +148,12 @@ def padded_vocab(v, x):
     return -(-v // _VOCAB_ALIGN) * _VOCAB_ALIGN if x.is_cuda else v
 
 
-def _pad_rows(t, n):
-    """t with its first dimension zero-padded to n (t itself when it already has n rows)."""
-    if t is None or t.shape[0] == n:
+def _padded_param(t, n, dtype):
+    """t in `dtype` with its first dimension zero-padded to n, in one new tensor (t itself
+    when it already is both): fp32 master weights are cast and padded in one copy."""
+    if t is None or (t.shape[0] == n and t.dtype == dtype):
         return t
-    out = t.new_empty((n,) + tuple(t.shape[1:]))
+    out = t.new_empty((n,) + tuple(t.shape[1:]), dtype=dtype)
     out[:t.shape[0]].copy_(t)
     out[t.shape[0]:].zero_()  # only the padding: the copy writes the rest
     return out
@@ -179,7 +184,8 @@ def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need,
     """The pass both custom ops make over the tokens, chunk by chunk: the logits GEMM, the row
     pass (the row losses into `losses`, which holds all M rows or one chunk's scratch, and the
     gradient scaled by `scale`, (1,) or (M,), in place when any gradient is needed), then dx, dw
-    (fp32 accumulation) and db. Returns (dx, dw, db), empty (0,) tensors where not needed."""
+    (fp32 accumulation) and db. weight and bias in x's dtype or fp32 (master weights under
+    autocast: cast here). Returns (dx, dw, db), empty (0,) tensors where not needed."""
     need_dx, need_dw, need_db = need
     m, k = x.shape
     v = weight.shape[0]
@@ -192,7 +198,7 @@ def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need,
     # columns of the logits are 0, never touched by the row pass, so they add nothing to dx and
     # only to dw's padding rows, which are cut off
     vp = padded_vocab(v, x)
-    weight, bias = _pad_rows(weight, vp), _pad_rows(bias, vp)
+    weight, bias = _padded_param(weight, vp, x.dtype), _padded_param(bias, vp, x.dtype)
     buf = x.new_empty(min(rows, m), vp)
     for s in range(0, m, rows):
         e = min(s + rows, m)
@@ -217,7 +223,7 @@ def fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, 
              backend):
     """(loss, dx, dw, db). The gradients (each an empty (0,) tensor unless asked for) are those
     of the SUM of the per-token losses: dx in x's dtype, dw and db in fp32 (fp64 for fp64 x)."""
-    with torch.autocast(x.device.type, enabled=False):  # out= GEMMs; inputs already in the compute dtype
+    with torch.autocast(x.device.type, enabled=False):  # out= GEMMs; x already in the compute dtype
         losses = torch.empty(x.shape[0], dtype=_acc_dtype(x.dtype), device=x.device)
         dx, dw, db = _chunk_loop(x, weight, bias, target, losses, torch.ones(1, dtype=torch.float32, device=x.device),
                                  ignore_index, label_smoothing, (need_dx, need_dw, need_db), backend)
@@ -228,8 +234,8 @@ def fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, 
 def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
                              label_smoothing: float, reduction: str, need_dx: bool, need_dw: bool, need_db: bool,
                              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, dx, dweight, dbias) for 2-D contiguous x (M, K), weight (V, K), target (M,); the
-    gradients are of the summed per-token losses (empty (0,) tensors when not needed); dweight
+    """(loss, dx, dweight, dbias) for 2-D contiguous x (M, K), weight (V, K) in x's dtype or fp32
+    (cast inside), target (M,); the gradients are of the summed per-token losses (empty (0,) tensors when not needed); dweight
     and dbias in fp32 (fp64 for fp64 x). loss: fp32 (fp64), () or (M,) for reduction "none"."""
     return fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
                     backend)
@@ -303,26 +309,24 @@ def _bwd(*args):
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """mean/sum: the forward computes the gradients too and saves them (x-sized dx, fp32
     weight-sized dW, fp32 db); backward scales them in place by grad_output (/ n_valid).
-    "none": saves x, weight, bias, target and recomputes. cast_to: the compute dtype when the
-    weight/bias are fp32 master weights under autocast (cast here, gradients in fp32)."""
+    "none": saves x, weight, bias, target and recomputes. fp32 master weights under autocast
+    are cast inside the op (one padded compute-dtype copy at a time); their gradients are fp32."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, target, ignore_index, label_smoothing, reduction, backend, cast_to=None):
-        w, b = weight, bias
-        if cast_to is not None:
-            w, b = weight.to(cast_to), None if bias is None else bias.to(cast_to)
+    def forward(ctx, x, weight, bias, target, ignore_index, label_smoothing, reduction, backend):
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_db = need_db and bias is not None
         ctx.args = (ignore_index, label_smoothing, reduction, backend)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        ctx.cast_to, ctx.need = cast_to, (need_dx, need_dw, need_db)
+        ctx.need = (need_dx, need_dw, need_db)
         if reduction == "none":
-            loss = _fwd(x, w, b, target, ignore_index, label_smoothing, reduction, False, False, False, backend)[0]
+            loss = _fwd(x, weight, bias, target, ignore_index, label_smoothing, reduction, False, False, False,
+                        backend)[0]
             ctx.save_for_backward(x, weight, bias, target)
         else:
-            loss, dx, dw, db = _fwd(x, w, b, target, ignore_index, label_smoothing, reduction, need_dx, need_dw,
-                                    need_db, backend)
+            loss, dx, dw, db = _fwd(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx,
+                                    need_dw, need_db, backend)
             ctx.save_for_backward(target, dx, dw, db)
         return loss
 
@@ -333,8 +337,6 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.need
         if reduction == "none":
             x, weight, bias, target = ctx.saved_tensors
-            if ctx.cast_to is not None:
-                weight, bias = weight.to(ctx.cast_to), None if bias is None else bias.to(ctx.cast_to)
             dx, dw, db = _bwd(dloss.contiguous(), x, weight, bias, target, ignore_index, label_smoothing, reduction,
                               need_dx, need_dw, need_db, backend)
         else:
@@ -355,7 +357,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 db = db.mul_(factor) if bdt == db.dtype else torch.mul(db, factor, out=torch.empty_like(db, dtype=bdt))
         wdt, bdt = ctx.dtypes
         return (dx if need_dx else None, dw.to(wdt) if need_dw else None, db.to(bdt) if need_db else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None)
 
 
 # ---------------------------------------------------------------- "auto"
@@ -436,7 +438,7 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, lab
     _check_args(x, weight, target, bias, ignore_index, label_smoothing, reduction)
     label_smoothing = float(label_smoothing)
     device = x.device
-    x, cast_to = autocast_dtypes("linear_cross_entropy", x, (weight, bias), ("weight", "bias"))
+    x, _ = autocast_dtypes("linear_cross_entropy", x, (weight, bias), ("weight", "bias"))  # weights cast in the op
     k, v = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k).contiguous()
     t2 = target.reshape(-1).to(torch.int64).contiguous()
@@ -448,10 +450,7 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, lab
     training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
                                             (bias is not None and bias.requires_grad))
     if training:
-        loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, name,
-                                                cast_to)
+        loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, name)
     else:
-        if cast_to is not None:
-            weight, bias = weight.to(cast_to), None if bias is None else bias.to(cast_to)
         loss = _fwd(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, False, False, False, name)[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
