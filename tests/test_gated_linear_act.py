@@ -224,7 +224,7 @@ def test_explicit_cuda_on_cpu_is_a_clear_error():
 
 
 def test_auto_preference(monkeypatch):
-    assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", True) == ("triton", "cuda")
+    assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", True) == ("cuda", "triton")
     assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", False) == ("cuda", "triton")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", True) == ("torch",)

@@ -211,12 +211,12 @@ class GatedLinearActFunction(torch.autograd.Function):
 
 # ---------------------------------------------------------------- "auto"
 
-# From one H200 run of ampkernels/bench/bench_gated_linear_act.py --quick (bf16, SwiGLU, 8192 x
-# 1024 -> 2816; docs/performance.md): inference cuBLAS first (packed 0.176 ms, two GEMMs 0.184,
-# Triton 0.180; eager 0.203); training Triton first (fwd+bwd 0.594 ms; cuda 0.600 with packed
-# weights, 0.791 with HF's two separate ones; eager 0.578). Other shapes and dtypes: not measured.
-_AUTO_INFERENCE = ("cuda", "triton")
-_AUTO_TRAINING = ("triton", "cuda")
+# cuda first, inference and training. Inference, from one H200 run of
+# ampkernels/bench/bench_gated_linear_act.py --quick (bf16, SwiGLU, 8192 x 1024 -> 2816): cuBLAS first (packed 0.176 ms, two GEMMs 0.184, Triton 0.180;
+# eager 0.203). Training: cuda first, whose autograd runs in C++ (gated_mlp_train_cuda): in the
+# e2e benchmark the converted LLaMA-style step (bf16, eager) ran 39.4 ms on cuda against 52.4 on
+# triton-first (eager 55.5; docs/performance.md), where the op alone was within noise of Triton.
+_AUTO = ("cuda", "triton")
 
 
 def preference(device, dtype, activation, bucket, training):
@@ -227,7 +227,7 @@ def preference(device, dtype, activation, bucket, training):
         return ("torch",)
     if torch.are_deterministic_algorithms_enabled():
         return ("cuda",)  # Triton's autotuner picks tiles by timing
-    return _AUTO_TRAINING if training else _AUTO_INFERENCE
+    return _AUTO
 
 
 @backends.assume_constant_result
