@@ -12,7 +12,7 @@ from ampkernels.bench import bench_e2e, bench_host, readme_table
 from ampkernels.bench.common import Recorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-H200 = os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-02-6b22bcb-e2e.jsonl")
+H200 = os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-02-52e477c-e2e.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -112,15 +112,15 @@ def test_readme_table(e2e_run, tmp_path, capsys):
     body = [line for line in lines[2:] if line.startswith("| ")]
     # models in their order, a model's shapes sorted: each H200 row before the tiny CPU one
     assert [(line[2:].split(" (")[0], line.split(" | ")[1]) for line in body] == \
-        [("GPT-2 small", "bf16"), ("GPT-2 small", "bf16"), ("LLaMA-style", "bf16"), ("LLaMA-style", "bf16"),
-         ("BERT-base MLM", "bf16"), ("BERT-base MLM", "bf16"), ("ViT-B/16", "bf16"), ("ViT-B/16", "bf16")]
-    assert any(line.startswith("| GPT-2 small (L=12,H=768,B=8,S=1024) | bf16 | — | 58.1 | 26.2 (2.22x) | "
-                               "23.7 | 22.7 (1.04x) | 0.40 / 0.70 | +0.0000 / +0.0000 |") for line in body), body
+        [(m, dt) for m in ("GPT-2 small", "LLaMA-style", "BERT-base MLM", "ViT-B/16")
+         for dt in ("fp16", "bf16", "bf16")]
+    assert any(line.startswith("| GPT-2 small (L=12,H=768,B=8,S=1024) | bf16 | — | 57.9 | 36.0 (1.61x) | "
+                               "23.7 | 23.7 (1.00x) | 0.38 / 0.70 | +0.0007 / +0.0001 |") for line in body), body
     vit = next(line for line in body if line.startswith("| ViT-B/16 (L=2"))
     cells = vit.strip("| ").split(" | ")
     assert cells[7] == "0.80 / 1.00" and cells[6].endswith("x)") and cells[8].count("/") == 1
     commits = block.split("commit ", 1)[1].split(", 2026")[0].split(", ")
-    assert "NVIDIA H200, cpu" in block and "6b22bcb" in commits
+    assert "NVIDIA H200, cpu" in block and "52e477c" in commits
     assert "[x.jsonl](benchmarks/results/x.jsonl)" in block
 
     readme = tmp_path / "README.md"
