@@ -12,8 +12,9 @@ parameters; AMPKERNELS_FUZZ_SEED=<seed> reruns that case alone (in the test that
 
 GPU tier: ~13,660 cases. The cuda backend takes the whole space; the triton backend a palette
 per test (a Triton kernel compiles once per pointer-dtype signature, pointer alignment, BLOCK_N
-and integer argument class: ==1, multiple of 16, other), so that its compiles stay bounded, with autotuning
-off (one config per kernel: the masking and indexing under test are the same for every tile).
+and integer argument class: ==1, multiple of 16, other), so that its compiles stay bounded,
+with autotuning off (one config per kernel: the masking and indexing under test are the same
+for every tile).
 AMPKERNELS_FUZZ_SCALE=<float> scales every case count (e.g. 0.1 for a quick look, 10 for a soak).
 CPU tier: a few hundred cases, the Triton kernels under TRITON_INTERPRET=1 (fp16/fp32) and the
 torch backend (all dtypes).

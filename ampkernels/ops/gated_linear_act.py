@@ -212,10 +212,11 @@ class GatedLinearActFunction(torch.autograd.Function):
 # ---------------------------------------------------------------- "auto"
 
 # cuda first, inference and training. Inference, from one H200 run of
-# ampkernels/bench/bench_gated_linear_act.py --quick (bf16, SwiGLU, 8192 x 1024 -> 2816): cuBLAS first (packed 0.176 ms, two GEMMs 0.184, Triton 0.180;
-# eager 0.203). Training: cuda first, whose autograd runs in C++ (gated_mlp_train_cuda): in the
-# e2e benchmark the converted LLaMA-style step (bf16, eager) ran 39.4 ms on cuda against 52.4 on
-# triton-first (eager 55.5; docs/performance.md), where the op alone was within noise of Triton.
+# ampkernels/bench/bench_gated_linear_act.py --quick (bf16, SwiGLU, 8192 x 1024 -> 2816): packed
+# cuBLAS 0.176 ms, two GEMMs 0.184, Triton 0.180, eager 0.203. Training: the cuda backend's
+# autograd runs in C++ (gated_mlp_train_cuda); in the e2e benchmark the converted LLaMA-style
+# step (bf16, eager) ran 39.4 ms on cuda against 52.4 triton-first (docs/performance.md), where
+# the op alone was within noise of Triton.
 _AUTO = ("cuda", "triton")
 
 
@@ -270,7 +271,7 @@ def _prepare(op, x, params, activation, backend, recompute):
     params: (wg, wu, bg, bu[, more]); made contiguous when a kernel (or recompute) takes them."""
     device = x.device
     x, cast_to = autocast_dtypes(op, x, params, _NAMES[1:] + ("down_weight", "down_bias"),
-                                    "x, the weights and the biases")
+                                 "x, the weights and the biases")
     k, hidden = x.shape[-1], params[0].shape[0]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"

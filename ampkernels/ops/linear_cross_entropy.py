@@ -235,8 +235,9 @@ def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], 
                              label_smoothing: float, reduction: str, need_dx: bool, need_dw: bool, need_db: bool,
                              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, dx, dweight, dbias) for 2-D contiguous x (M, K), weight (V, K) in x's dtype or fp32
-    (cast inside), target (M,); the gradients are of the summed per-token losses (empty (0,) tensors when not needed); dweight
-    and dbias in fp32 (fp64 for fp64 x). loss: fp32 (fp64), () or (M,) for reduction "none"."""
+    (cast inside), target (M,); the gradients are of the summed per-token losses (empty (0,)
+    tensors when not needed); dweight and dbias in fp32 (fp64 for fp64 x). loss: fp32 (fp64),
+    () or (M,) for reduction "none"."""
     return fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
                     backend)
 
