@@ -7,8 +7,11 @@
 # (packed after every run, so a call cut short still brings back what ran).
 #   SANITIZER_TOOLS="memcheck initcheck"  SANITIZER_BACKENDS="cuda"  SANITIZER_TIMEOUT=300
 #   SANITIZER_FAMILIES="norms gated"       (op families: norms linear_act mlp gated lce)
+#   SANITIZER_JOBS=4                       (tool runs at once on the one GPU; 1 by default)
 # memcheck, racecheck and synccheck run one process per op family (racecheck also one per
 # backend): all families in one process outlasted a 100 s cap under memcheck and racecheck.
+# The cases are small, so the tool's processes leave the GPU mostly idle: SANITIZER_JOBS runs
+# several of them side by side (each run's time then includes the others' load).
 # initcheck runs the norms (no cuBLAS involved: any report is ours) apart from the GEMM ops,
 # whose cases also run through eager PyTorch ("torch", the control) with every report printed:
 # reports it shares with the control come from reading what cuBLAS wrote (the tool does not
@@ -33,9 +36,12 @@ case " $BACKENDS " in *" triton "*)  # the initcheck control below runs Triton w
   AMPKERNELS_TRITON_TMA=0 SANITIZER_OPS="linear_act mlp" python3 scripts/sanitize_cases.py triton >>"$logs/warmup.log" 2>&1 ;; esac
 echo "warm-up (the cases without the tool, compiling the Triton kernels): $((SECONDS - t0))s; $(grep -c . "$logs/warmup.log") log lines" | tee -a "$summary"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the tool see each allocation's real bounds
+JOBS=${SANITIZER_JOBS:-1}
+SEQ=0
 run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", "gated", "lce", or several quoted
   local tool=$1 ops=$2; shift 2
   local log="$logs/$tool-${ops// /+}-${*// /-}${AMPKERNELS_TRITON_TMA:+-tma$AMPKERNELS_TRITON_TMA}.log" extra="" t0=$SECONDS
+  local part="$logs/summary-$SEQ.txt"
   [ "$tool" = memcheck ] && extra="--leak-check full"
   [ "$tool" = initcheck ] && extra="--print-limit 1000000 --show-backtrace no"  # count every report
   SANITIZER_OPS="$ops" timeout "${SANITIZER_TIMEOUT:-600}" "$SAN" --tool "$tool" $extra --target-processes all \
@@ -43,30 +49,42 @@ run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", "gated", 
   local rc=$?
   local line
   line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|sanitize case" "$log" | tail -4 | tr '\n' ' ')
-  echo "$tool $ops [$*]${AMPKERNELS_TRITON_TMA:+ AMPKERNELS_TRITON_TMA=$AMPKERNELS_TRITON_TMA}: rc=$rc $((SECONDS - t0))s ${line:-no summary}" | tee -a "$summary"
-  # error kind + the kernel it names, counted
-  awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=$0} /^=========     at / && kind {print kind " | " substr($0, 1, 160); kind=""}' \
-    "$log" | sort | uniq -c | sort -rn | head -8 | tee -a "$summary"
-  tar -czf "$OUT/sanitizer-logs.tar.gz" -C "$logs" .
+  { echo "$tool $ops [$*]${AMPKERNELS_TRITON_TMA:+ AMPKERNELS_TRITON_TMA=$AMPKERNELS_TRITON_TMA}: rc=$rc $((SECONDS - t0))s ${line:-no summary}"
+    # error kind + the kernel it names, counted
+    awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=$0} /^=========     at / && kind {print kind " | " substr($0, 1, 160); kind=""}' \
+      "$log" | sort | uniq -c | sort -rn | head -8; } >"$part"
+  cat "$part"
+  cat "$part" >>"$summary"  # one short append: whole even with runs finishing side by side
+}
+pack() {  # the logs so far, renamed into place so that a call cut short keeps a whole archive
+  tar -czf "$OUT/.sanitizer-logs.tar.gz" -C "$logs" . && mv "$OUT/.sanitizer-logs.tar.gz" "$OUT/sanitizer-logs.tar.gz"
+}
+start() {  # start TOOL OPS BACKENDS...: run it, in the background while fewer than $JOBS are
+  SEQ=$((SEQ + 1))
+  if [ "$JOBS" -le 1 ]; then run "$@"; pack; return; fi
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; pack; done
+  run "$@" &
 }
 FAMILIES=${SANITIZER_FAMILIES:-norms linear_act mlp gated lce}
 GEMM_OPS=$(for f in $FAMILIES; do [ "$f" != norms ] && echo -n "$f "; done)  # their cases also run cuBLAS
 GEMM_OPS=${GEMM_OPS% }
 for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
   if [ "$tool" = initcheck ]; then
-    case " $FAMILIES " in *" norms "*) run initcheck norms $BACKENDS ;; esac
+    case " $FAMILIES " in *" norms "*) start initcheck norms $BACKENDS ;; esac
     if [ -n "$GEMM_OPS" ]; then
-      run initcheck "$GEMM_OPS" $BACKENDS
-      run initcheck "$GEMM_OPS" torch
+      start initcheck "$GEMM_OPS" $BACKENDS
+      start initcheck "$GEMM_OPS" torch
       # Triton with plain stores instead of TMA descriptors: if the tool misses TMA-store writes,
       # the reports of the Triton run above vanish here (but for the reads of what cuBLAS wrote,
       # e.g. the MLP backward's dh = dout @ W2, a torch matmul read by the act' kernel); the
       # gated and cross-entropy kernels use no TMA
-      case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 run initcheck "$GEMM_OPS" triton ;; esac
+      case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 start initcheck "$GEMM_OPS" triton ;; esac
     fi
   elif [ "$tool" = racecheck ]; then  # the slowest tool: one run per family and backend
-    for family in $FAMILIES; do for backend in $BACKENDS; do run racecheck "$family" "$backend"; done; done
+    for family in $FAMILIES; do for backend in $BACKENDS; do start racecheck "$family" "$backend"; done; done
   else
-    for family in $FAMILIES; do run "$tool" "$family" $BACKENDS; done
+    for family in $FAMILIES; do start "$tool" "$family" $BACKENDS; done
   fi
 done
+wait
+pack
