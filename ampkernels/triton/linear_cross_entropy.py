@@ -30,6 +30,12 @@ def _lce_rows_kernel(z_ptr, ld, t_ptr, loss_ptr, scale_ptr, V, ignore_index, eps
     t = tl.load(t_ptr + row)
     lanes = tl.arange(0, BLOCK)
     if t != ignore_index:
+        in_range = (t >= 0) & (t < V)
+        # z_t is read before the row's reductions, whose barriers every warp passes before any
+        # warp writes the gradient over the row: read after them, a warp that lagged behind could
+        # read the gradient another warp had already stored at z_t (a wrong loss; seen under
+        # compute-sanitizer, whose timing let warps drift apart)
+        zt = tl.load(z_row + t, mask=in_range, other=float("nan")).to(tl.float32)
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         zsum = tl.zeros([BLOCK], tl.float32)
@@ -46,8 +52,6 @@ def _lce_rows_kernel(z_ptr, ld, t_ptr, loss_ptr, scale_ptr, V, ignore_index, eps
         mx = tl.max(m, 0)
         ref = tl.where(mx == float("-inf"), 0.0, mx)
         lse = ref + tl.log(tl.sum(s * tl.exp(m - ref), 0))
-        in_range = (t >= 0) & (t < V)
-        zt = tl.load(z_row + t, mask=in_range, other=float("nan")).to(tl.float32)
         loss = lse - (1.0 - eps) * zt
         if SMOOTH:
             loss -= eps / V * tl.sum(zsum, 0)
