@@ -10,8 +10,10 @@ Cases, all under autocast with fp32 parameters and 16-bit x (the AMP case), at t
 - linear_act (gelu_tanh, relu) against F.linear followed by the activation;
 - FusedMLP (256 -> 1024 -> 256, gelu_tanh) against the Linear-GELU-Linear it is.
 
-Host time of a call: the wall time of CALLS back-to-back calls without synchronisation,
-divided by CALLS, after warm-up; the median of REPEATS such runs. A backward is timed on
+Each call runs in its own autocast region (a step's forward casts each parameter once; one
+region around all calls would let torch reuse its cached casts). Host time of a call: the wall
+time of CALLS back-to-back calls without synchronisation, divided by CALLS, after warm-up; the
+median of REPEATS such runs. A backward is timed on
 graphs built beforehand (one forward each), so that its time holds no forward. Each
 ampkernels backend is timed ("cuda", "triton", "auto"). Rows: op, case, pass (fwd|bwd),
 provider, host_us.
@@ -152,9 +154,15 @@ def run(recorder, dtypes, quick, device=None):
 def _one(recorder, dtype, case, provider, calls, repeats, device):
     op, setup = CASES[case]
     inputs, eager, ours = setup(device, dtype)
-    fn = eager if provider == "eager" else ours(provider)
-    with torch.autocast(device, dtype=dtype):
-        fwd_us, bwd_us = measure(fn, inputs, calls, repeats, device, WARMUP if device == "cuda" else CPU_WARMUP)
+    call = eager if provider == "eager" else ours(provider)
+
+    def fn():
+        # one autocast region per call, as a training step has one per forward: autocast caches
+        # its casts of leaf tensors (here the parameters and x) until the region closes, and one
+        # region around all calls would time torch's ops without their casts
+        with torch.autocast(device, dtype=dtype):
+            return call()
+    fwd_us, bwd_us = measure(fn, inputs, calls, repeats, device, WARMUP if device == "cuda" else CPU_WARMUP)
     name = "torch" if provider == "eager" else f"ampkernels-{provider}"
     for pss, us in (("fwd", fwd_us), ("bwd", bwd_us)):
         recorder.add(op=op, case=case, provider=name, **{"pass": pss}, dtype=str(dtype).replace("torch.", ""),
