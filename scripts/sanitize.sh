@@ -6,7 +6,7 @@
 # exit code, time, the tool's summary, error kinds by kernel) and $OUT/sanitizer-logs.tar.gz
 # (packed after every run, so a call cut short still brings back what ran).
 #   SANITIZER_TOOLS="memcheck initcheck"  SANITIZER_BACKENDS="cuda"  SANITIZER_TIMEOUT=300
-#   SANITIZER_FAMILIES="norms gated"       (op families: norms linear_act mlp gated lce)
+#   SANITIZER_FAMILIES="norms gated"       (op families: norms norm_mixes linear_act mlp gated lce)
 #   SANITIZER_JOBS=4                       (tool runs at once on the one GPU; 1 by default)
 # memcheck, racecheck and synccheck run one process per op family (racecheck also one per
 # backend): all families in one process outlasted a 100 s cap under memcheck and racecheck.
@@ -31,14 +31,14 @@ export AMPKERNELS_TRITON_AUTOTUNE=0
 # compile the Triton kernels once outside the tool (it slows the compiler down tenfold);
 # the runs below load them from Triton's cache
 t0=$SECONDS
-SANITIZER_OPS="${SANITIZER_FAMILIES:-norms linear_act mlp gated lce}" python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { cat "$logs/warmup.log"; exit 1; }
+SANITIZER_OPS="${SANITIZER_FAMILIES:-norms norm_mixes linear_act mlp gated lce}" python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { tail -20 "$logs/warmup.log"; exit 1; }
 case " $BACKENDS " in *" triton "*)  # the initcheck control below runs Triton without TMA too
   AMPKERNELS_TRITON_TMA=0 SANITIZER_OPS="linear_act mlp" python3 scripts/sanitize_cases.py triton >>"$logs/warmup.log" 2>&1 ;; esac
 echo "warm-up (the cases without the tool, compiling the Triton kernels): $((SECONDS - t0))s; $(grep -c . "$logs/warmup.log") log lines" | tee -a "$summary"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the tool see each allocation's real bounds
 JOBS=${SANITIZER_JOBS:-1}
 SEQ=0
-run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", "gated", "lce", or several quoted
+run() {  # run TOOL OPS BACKENDS...: OPS one family or several quoted
   local tool=$1 ops=$2; shift 2
   local log="$logs/$tool-${ops// /+}-${*// /-}${AMPKERNELS_TRITON_TMA:+-tma$AMPKERNELS_TRITON_TMA}.log" extra="" t0=$SECONDS
   local part="$logs/summary-$SEQ.txt"
@@ -49,6 +49,7 @@ run() {  # run TOOL OPS BACKENDS...: OPS "norms", "linear_act", "mlp", "gated", 
   local rc=$?
   local line
   line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|sanitize case" "$log" | tail -4 | tr '\n' ' ')
+  [ "$rc" -ne 0 ] && line="$line(last case started: $(grep '^case ' "$log" | tail -1))"
   { echo "$tool $ops [$*]${AMPKERNELS_TRITON_TMA:+ AMPKERNELS_TRITON_TMA=$AMPKERNELS_TRITON_TMA}: rc=$rc $((SECONDS - t0))s ${line:-no summary}"
     # error kind + the kernel it names, counted
     awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=$0} /^=========     at / && kind {print kind " | " substr($0, 1, 160); kind=""}' \
@@ -65,12 +66,14 @@ start() {  # start TOOL OPS BACKENDS...: run it, in the background while fewer t
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; pack; done
   run "$@" &
 }
-FAMILIES=${SANITIZER_FAMILIES:-norms linear_act mlp gated lce}
-GEMM_OPS=$(for f in $FAMILIES; do [ "$f" != norms ] && echo -n "$f "; done)  # their cases also run cuBLAS
+FAMILIES=${SANITIZER_FAMILIES:-norms norm_mixes linear_act mlp gated lce}
+NORM_OPS=$(for f in $FAMILIES; do case $f in norm*) echo -n "$f " ;; esac; done)  # no cuBLAS involved
+NORM_OPS=${NORM_OPS% }
+GEMM_OPS=$(for f in $FAMILIES; do case $f in norm*) ;; *) echo -n "$f " ;; esac; done)  # their cases also run cuBLAS
 GEMM_OPS=${GEMM_OPS% }
 for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
   if [ "$tool" = initcheck ]; then
-    case " $FAMILIES " in *" norms "*) start initcheck norms $BACKENDS ;; esac
+    [ -n "$NORM_OPS" ] && start initcheck "$NORM_OPS" $BACKENDS
     if [ -n "$GEMM_OPS" ]; then
       start initcheck "$GEMM_OPS" $BACKENDS
       start initcheck "$GEMM_OPS" torch

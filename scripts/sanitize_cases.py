@@ -1,7 +1,7 @@
 """The kernels of both op families, forward and backward, on boundary shapes and dtype mixes,
 for compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short.
 
-    [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms linear_act [mlp] [gated] [lce]"] \
+    [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms norm_mixes linear_act mlp gated lce"] \
         python scripts/sanitize_cases.py [cuda] [triton] [torch]
 
 Every output and gradient is checked against float64 autograd with the tests' checks
@@ -23,7 +23,7 @@ ampkernels/triton/layer_norm.py):
   16-bit params RMSNorm from 8193, LayerNorm at 16384); the backward's register kernel up to
   8192, RELOAD to 16384, the looped kernel past it; on sm_80+ the rows from 4096 once more with
   the Gluon kernels at every row length they take (SANITIZER_GLUON=0 skips that).
-- norm dtype mixes: a pairwise cover of tests/test_dtype_combos.py's grid and issue 31's
+- norm_mixes, the norms' dtype mixes: a pairwise cover of tests/test_dtype_combos.py's grid and issue 31's
   crash (16-bit x, fp32 residual kept in fp32, 16-bit weight/bias) by name.
 - linear_act: the dz pass (act' backward and the dbias partials; tiles of 64 x 128 on a GPU:
   M, N at 63/65 and 127/129), the pointer and TMA forwards, on Hopper the ping-pong GEMM
@@ -56,6 +56,7 @@ CASES = [0]
 
 
 def case(name, fn, *args, **kw):
+    print(f"case {CASES[0]}: {name}", flush=True)  # where a process the tool kills had got to
     try:
         fn(*args, **kw)
     except Exception as e:  # a wrong result or a kernel error: the run fails, naming the case
@@ -68,9 +69,8 @@ NORM_SHAPES = [(1, 3), (7, 3), (1000, 1), (1000, 300), (2048, 3), (2049, 3), (40
                (14336, 2), (14344, 2), (16384, 2), (16385, 2), (16392, 2)]
 
 
-def norm_cases(backend, dtype, mixes=True, min_n=0):
-    """The regime edges from min_n up; with mixes, the dtype mixes (fp32 x's with the first
-    dtype only: SANITIZER_DTYPES' second pass would repeat most of them) and issue 31."""
+def norm_cases(backend, dtype, min_n=0):
+    """The regime edges from min_n up, each with three dtype combinations."""
     for n, rows in (s for s in NORM_SHAPES if s[0] >= min_n):
         for is_rms in (False, True):
             # fp32 params, 16-bit params, each with a residual in x's dtype (the pipelined
@@ -80,8 +80,11 @@ def norm_cases(backend, dtype, mixes=True, min_n=0):
                           NormCombo(is_rms, dtype, F32, True, dtype, dtype),
                           NormCombo(is_rms, dtype, None, False, dtype, None, F32)):
                 case(f"{backend} {combo} {rows}x{n}", check_combo, combo, backend, n, rows, dev)
-    if not mixes:
-        return
+
+
+def norm_mix_cases(backend, dtype):
+    """The dtype mixes (fp32 x's with the first dtype only: SANITIZER_DTYPES' second pass would
+    repeat most of them) and issue 31's crash cases."""
     for is_rms in (False, True):  # dtype mixes: every pair of factor values, at an odd N or a 16-bit aligned one
         for x_dtype in (dtype, F32) if dtype == _dtypes()[0] else (dtype,):
             for i, combo in enumerate(pairwise(norm_combos(is_rms, x_dtype, (dtype, F32)))):
@@ -163,7 +166,7 @@ def _dtypes():
 
 def main(backends):
     torch.manual_seed(0)
-    ops = os.environ.get("SANITIZER_OPS", "norms linear_act").split()
+    ops = os.environ.get("SANITIZER_OPS", "norms norm_mixes linear_act mlp gated lce").split()
     for backend in backends:
         for dtype in _dtypes():
             if "norms" in ops:
@@ -171,8 +174,10 @@ def main(backends):
                 if _gluon_on(backend):  # the Gluon kernels' rows (forward from 4104, backward from 8193)
                     from ampkernels.triton import layer_norm as tln
                     saved, tln.GLUON_MIN_N = tln.GLUON_MIN_N, dict.fromkeys(tln.GLUON_MIN_N, 0)
-                    norm_cases(backend, dtype, mixes=False, min_n=4096)
+                    norm_cases(backend, dtype, min_n=4096)
                     tln.GLUON_MIN_N = saved
+            if "norm_mixes" in ops:
+                norm_mix_cases(backend, dtype)
             if "linear_act" in ops:
                 linear_act_cases(backend, dtype)
             if "mlp" in ops:
