@@ -10,8 +10,8 @@
 #   SANITIZER_JOBS=4                       (tool runs at once on the one GPU; 1 by default)
 # memcheck, racecheck and synccheck run one process per op family (racecheck also one per
 # backend): all families in one process outlasted a 100 s cap under memcheck and racecheck.
-# The cases are small, so the tool's processes leave the GPU mostly idle: SANITIZER_JOBS runs
-# several of them side by side (each run's time then includes the others' load).
+# SANITIZER_JOBS runs several of them side by side (each run's time then includes the others'
+# load): memcheck and synccheck gain from it, racecheck much less (it keeps the GPU busy).
 # initcheck runs the norms (no cuBLAS involved: any report is ours) apart from the GEMM ops,
 # whose cases also run through eager PyTorch ("torch", the control) with every report printed:
 # reports it shares with the control come from reading what cuBLAS wrote (the tool does not
