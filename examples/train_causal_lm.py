@@ -151,6 +151,10 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
     if world > 1:
+        # every rank past its last collective before any tears the group down: a rank whose
+        # peer had already exited once aborted in gloo's teardown ("terminate called without an
+        # active exception") after a complete run
+        dist.barrier()
         dist.destroy_process_group()
     return summary
 
