@@ -28,13 +28,28 @@ summary="$OUT/sanitizer.txt"
 # one Triton config per kernel (AMPKERNELS_TRITON_AUTOTUNE=0): the masking and indexing under
 # test are the same for every tile size, and tuning would compile and time dozens per shape
 export AMPKERNELS_TRITON_AUTOTUNE=0
-# compile the Triton kernels once outside the tool (it slows the compiler down tenfold);
-# the runs below load them from Triton's cache
+FAMILIES=${SANITIZER_FAMILIES:-norms norm_mixes linear_act mlp gated lce}
+# compile the Triton kernels once outside the tool (it slows the compiler down tenfold); the
+# runs below load them from Triton's cache. One process per family and backend, all at once:
+# the warm-up is bound by Triton's compiler, a core a process (one process took 3 minutes)
 t0=$SECONDS
-SANITIZER_OPS="${SANITIZER_FAMILIES:-norms norm_mixes linear_act mlp gated lce}" python3 scripts/sanitize_cases.py $BACKENDS >"$logs/warmup.log" 2>&1 || { tail -20 "$logs/warmup.log"; exit 1; }
+warm=()  # "pid log what" of each warm-up process
+for family in $FAMILIES; do for backend in $BACKENDS; do
+  SANITIZER_OPS=$family python3 scripts/sanitize_cases.py "$backend" >"$logs/warmup-$family-$backend.log" 2>&1 &
+  warm+=("$! $logs/warmup-$family-$backend.log $family [$backend]")
+done; done
 case " $BACKENDS " in *" triton "*)  # the initcheck control below runs Triton without TMA too
-  AMPKERNELS_TRITON_TMA=0 SANITIZER_OPS="linear_act mlp" python3 scripts/sanitize_cases.py triton >>"$logs/warmup.log" 2>&1 ;; esac
-echo "warm-up (the cases without the tool, compiling the Triton kernels): $((SECONDS - t0))s; $(grep -c . "$logs/warmup.log") log lines" | tee -a "$summary"
+  AMPKERNELS_TRITON_TMA=0 SANITIZER_OPS="linear_act mlp" python3 scripts/sanitize_cases.py triton \
+    >"$logs/warmup-tma0.log" 2>&1 &
+  warm+=("$! $logs/warmup-tma0.log linear_act mlp [triton] AMPKERNELS_TRITON_TMA=0") ;; esac
+failed=0
+for w in "${warm[@]}"; do
+  read -r pid log what <<<"$w"
+  wait "$pid" || { echo "warm-up $what failed:"; tail -20 "$log"; failed=1; }
+done
+[ "$failed" = 0 ] || exit 1
+echo "warm-up (the cases without the tool, compiling the Triton kernels): $((SECONDS - t0))s, ${#warm[@]} processes" \
+  | tee -a "$summary"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the tool see each allocation's real bounds
 JOBS=${SANITIZER_JOBS:-1}
 SEQ=0
@@ -66,7 +81,6 @@ start() {  # start TOOL OPS BACKENDS...: run it, in the background while fewer t
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n; pack; done
   run "$@" &
 }
-FAMILIES=${SANITIZER_FAMILIES:-norms norm_mixes linear_act mlp gated lce}
 NORM_OPS=$(for f in $FAMILIES; do case $f in norm*) echo -n "$f " ;; esac; done)  # no cuBLAS involved
 NORM_OPS=${NORM_OPS% }
 GEMM_OPS=$(for f in $FAMILIES; do case $f in norm*) ;; *) echo -n "$f " ;; esac; done)  # their cases also run cuBLAS
