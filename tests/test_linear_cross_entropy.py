@@ -347,6 +347,53 @@ def test_opcheck_cpu_triton_interpret():
     _opcheck("triton", torch.float16, "cpu")
 
 
+# Compiles the Triton row pass for sm_90 without a GPU, in a process of its own (this one may run
+# the kernels under TRITON_INTERPRET=1, where @triton.jit functions cannot be compiled), and
+# prints its PTX.
+_ROWS_PTX_PROBE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ampkernels.triton import linear_cross_entropy as tk
+fn = tk._lce_rows_kernel
+sig = {"z_ptr": "*bf16", "ld": "i32", "t_ptr": "*i64", "loss_ptr": "*fp32", "scale_ptr": "*fp32", "V": "i32",
+       "ignore_index": "i32", "eps": "fp32", **{k: "constexpr" for k in ("SCALE_PER_ROW", "WRITE_GRAD", "SMOOTH", "BLOCK")}}
+ce = {"SCALE_PER_ROW": False, "WRITE_GRAD": True, "SMOOTH": False, "BLOCK": 4096}
+attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in ("z_ptr", "t_ptr", "loss_ptr", "scale_ptr", "ld", "V")}
+k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 8})
+print(k.asm["ptx"])
+"""
+
+
+@needs_triton
+def test_triton_row_pass_reads_the_target_logit_before_its_barriers():
+    """The row pass overwrites the row with its gradient once the reductions are done; the
+    target's logit must be read before the reductions' barriers, or a warp that lags behind
+    reads a gradient another warp already stored there (a wrong loss, seen under
+    compute-sanitizer). In the PTX of a 8-warp long-row launch the one scalar 16-bit load, z_t,
+    precedes the first bar.sync (the row's own loads are 16-byte vectors)."""
+    import os
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _ROWS_PTX_PROBE], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=300, check=False)
+    if r.returncode != 0:
+        if "ImportError" in r.stderr or "cannot import" in r.stderr or "ptxas" in r.stderr:
+            pytest.skip(f"this Triton cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
+        raise AssertionError(r.stderr[-3000:])
+    lines = r.stdout.splitlines()
+    scalar16 = [i for i, line in enumerate(lines) if re.search(r"\bld\.global(\.\w+)*\.[bu]16\b", line)]
+    barriers = [i for i, line in enumerate(lines) if re.search(r"\b(bar|barrier)\.sync\b", line)]
+    assert len(scalar16) == 1 and barriers, (scalar16, barriers)
+    assert scalar16[0] < barriers[0], f"z_t is loaded at PTX line {scalar16[0]}, after the barrier at {barriers[0]}"
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
 def test_compile_fullgraph_cpu(backend, reduction):
