@@ -194,11 +194,24 @@ def test_frozen_head_gives_only_dx(small_chunks):
 
 def test_chunking_bounds_the_logits():
     # the chunk's logits: about max(x's size, the floor) elements, never tokens x vocab
-    assert lce.chunk_rows(8192, 768, 50257) * 50257 <= max(8192 * 768, lce._CHUNK_MIN_ELEMS)
-    assert lce.chunk_rows(8192, 4096, 128256) * 128256 <= max(8192 * 4096, lce._CHUNK_MIN_ELEMS)
-    assert lce.chunk_rows(10, 4, 7) == 10 and lce.chunk_rows(0, 4, 7) == 1
-    rows = lce.chunk_rows(1 << 20, 4096, 128256)
-    assert rows % 64 == 0 and rows * 128256 <= (1 << 20) * 4096
+    for floor in (lce._CHUNK_MIN_ELEMS, lce._CHUNK_MIN_ELEMS * lce._COMPILED_CHUNK_SCALE):
+        assert lce.chunk_rows(8192, 768, 50257, floor) * 50257 <= max(8192 * 768, floor)
+        assert lce.chunk_rows(8192, 4096, 128256, floor) * 128256 <= max(8192 * 4096, floor)
+        assert lce.chunk_rows(10, 4, 7, floor) == 10 and lce.chunk_rows(0, 4, 7, floor) == 1
+        rows = lce.chunk_rows(1 << 20, 4096, 128256, floor)
+        assert rows % 64 == 0 and rows * 128256 <= (1 << 20) * 4096
+    # GPT-2's head: 13 chunks of 640 rows in eager, 4 of 2048 under torch.compile
+    assert -(-8192 // lce.chunk_rows(8192, 768, 50257, lce._CHUNK_MIN_ELEMS)) == 13
+    assert -(-8192 // lce.chunk_rows(8192, 768, 50257, lce._CHUNK_MIN_ELEMS * lce._COMPILED_CHUNK_SCALE)) == 4
+
+
+def test_chunk_floor_is_larger_under_compile():
+    seen = []
+    compiled = torch.compile(lambda: seen.append(lce.current_chunk_floor()), fullgraph=False, backend="eager")
+    torch._dynamo.reset()
+    compiled()
+    assert lce.current_chunk_floor() == lce._CHUNK_MIN_ELEMS
+    assert seen == [lce._CHUNK_MIN_ELEMS * lce._COMPILED_CHUNK_SCALE]
 
 
 def test_second_backward_is_a_clear_error():
@@ -324,11 +337,12 @@ def _opcheck(backend, dtype, device):
     x, w, b, t = _inputs(7, 16, 24, dtype, device)
     fwd, bwd = torch.ops.ampkernels.linear_cross_entropy_fwd.default, torch.ops.ampkernels.linear_cross_entropy_bwd
     for reduction in lce.REDUCTIONS:
-        torch.library.opcheck(fwd, (x, w, b, t, -100, 0.1, reduction, True, True, True, backend))
-        torch.library.opcheck(fwd, (x, w, None, t, -100, 0.0, reduction, False, True, False, backend))
+        # chunk floor 150: two chunks (7 rows of 24 classes, 6 rows at most a chunk)
+        torch.library.opcheck(fwd, (x, w, b, t, -100, 0.1, reduction, True, True, True, 150, backend))
+        torch.library.opcheck(fwd, (x, w, None, t, -100, 0.0, reduction, False, True, False, 1 << 25, backend))
         dl = torch.rand(7 if reduction == "none" else (), device=device)
-        torch.library.opcheck(bwd.default, (dl, x, w, b, t, -100, 0.1, reduction, True, True, True, backend))
-    torch.library.opcheck(fwd, (x, w, b, t, -100, 0.0, "mean", False, False, False, backend))
+        torch.library.opcheck(bwd.default, (dl, x, w, b, t, -100, 0.1, reduction, True, True, True, 150, backend))
+    torch.library.opcheck(fwd, (x, w, b, t, -100, 0.0, "mean", False, False, False, 1 << 25, backend))
 
 
 def test_opcheck_cpu_torch():
@@ -336,9 +350,9 @@ def test_opcheck_cpu_torch():
     # fp32 master weights with 16-bit x (what autocast passes): cast inside the op
     x, w, b, t = _inputs(7, 16, 24, torch.float32, "cpu")
     fwd = torch.ops.ampkernels.linear_cross_entropy_fwd.default
-    torch.library.opcheck(fwd, (x.bfloat16(), w, b, t, -100, 0.1, "mean", True, True, True, "torch"))
+    torch.library.opcheck(fwd, (x.bfloat16(), w, b, t, -100, 0.1, "mean", True, True, True, 1 << 25, "torch"))
     torch.library.opcheck(torch.ops.ampkernels.linear_cross_entropy_bwd.default,
-                          (torch.rand(7), x.bfloat16(), w, b, t, -100, 0.0, "none", True, True, True, "torch"))
+                          (torch.rand(7), x.bfloat16(), w, b, t, -100, 0.0, "none", True, True, True, 1 << 25, "torch"))
 
 
 @needs_triton
@@ -585,7 +599,7 @@ def test_gpu_master_weights_memory():
     peak = torch.cuda.max_memory_allocated() - base
     vp = lce.padded_vocab(v, x)
     grads = vp * k * 4 + m * k * 2
-    extra = vp * k * 2 + lce.chunk_rows(m, k, v) * vp * 2
+    extra = vp * k * 2 + lce.chunk_rows(m, k, v, lce._CHUNK_MIN_ELEMS) * vp * 2
     assert peak <= grads + extra + (8 << 20), (peak, grads, extra)
     assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
 

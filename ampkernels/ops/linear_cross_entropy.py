@@ -44,18 +44,27 @@ REDUCTIONS = ("mean", "sum", "none")
 # that the weight-gradient GEMM (K = chunk rows) is not dominated by re-reading its fp32
 # accumulator (vocab x hidden x 4 bytes read and written once per chunk). 64 MiB and the
 # compute-dtype copy of fp32 master weights keep GPT-2's head (8192 x 768 x 50257) under
-# Liger-Kernel's 160 MiB.
+# Liger-Kernel's 160 MiB. Under torch.compile the bar is inductor's unfused head (the whole
+# logits, 1.5 GiB there) and its time: 4x the floor re-reads the accumulator a third as often
+# (4 chunks instead of 13 at GPT-2's head).
 _CHUNK_MIN_ELEMS = 1 << 25
+_COMPILED_CHUNK_SCALE = 4
 _ROW_ALIGN = 64
 
 
-def chunk_rows(m, k, v):
-    """Rows of one chunk: as even as the chunk count allows, a multiple of 64 (alignment of
-    the GEMMs' row offsets) where the chunk holds more than 64 rows, rounded up where that
-    stays within the budget (one chunk fewer), else down."""
+def current_chunk_floor():
+    """The least elements a chunk's logits may hold, for a call traced now (eager or compiled)."""
+    return _CHUNK_MIN_ELEMS * (_COMPILED_CHUNK_SCALE if torch.compiler.is_compiling() else 1)
+
+
+def chunk_rows(m, k, v, floor):
+    """Rows of one chunk, whose logits hold at most max(m * k, floor) elements: as even as the
+    chunk count allows, a multiple of 64 (alignment of the GEMMs' row offsets) where the chunk
+    holds more than 64 rows, rounded up where that stays within the budget (one chunk fewer),
+    else down."""
     if m == 0:
         return 1
-    cap = max(1, max(m * k, _CHUNK_MIN_ELEMS) // max(v, 1))
+    cap = max(1, max(m * k, floor) // max(v, 1))
     if cap >= m:
         return m
     n_chunks = -(-m // cap)
@@ -180,7 +189,7 @@ def _empty(x):
     return x.new_empty(0)
 
 
-def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need, backend):
+def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need, floor, backend):
     """The pass both custom ops make over the tokens, chunk by chunk: the logits GEMM, the row
     pass (the row losses into `losses`, which holds all M rows or one chunk's scratch, and the
     gradient scaled by `scale`, (1,) or (M,), in place when any gradient is needed), then dx, dw
@@ -193,7 +202,7 @@ def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need,
     dx = torch.empty_like(x) if need_dx else _empty(x)
     dw = None
     db = torch.zeros(v, dtype=acc, device=x.device) if need_db else _empty(x)
-    rows = chunk_rows(m, k, v)
+    rows = chunk_rows(m, k, v, floor)
     # the GEMMs run over vp >= v logit columns against zero weight (and bias) rows: the padding
     # columns of the logits are 0, never touched by the row pass, so they add nothing to dx and
     # only to dw's padding rows, which are cut off
@@ -220,30 +229,31 @@ def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need,
 # ---------------------------------------------------------------- forward custom op
 
 def fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
-             backend):
+             chunk_floor, backend):
     """(loss, dx, dw, db). The gradients (each an empty (0,) tensor unless asked for) are those
     of the SUM of the per-token losses: dx in x's dtype, dw and db in fp32 (fp64 for fp64 x)."""
     with torch.autocast(x.device.type, enabled=False):  # out= GEMMs; x already in the compute dtype
         losses = torch.empty(x.shape[0], dtype=_acc_dtype(x.dtype), device=x.device)
         dx, dw, db = _chunk_loop(x, weight, bias, target, losses, torch.ones(1, dtype=torch.float32, device=x.device),
-                                 ignore_index, label_smoothing, (need_dx, need_dw, need_db), backend)
+                                 ignore_index, label_smoothing, (need_dx, need_dw, need_db), chunk_floor, backend)
         return _reduce(losses, target, ignore_index, reduction), dx, dw, db
 
 
 @torch.library.custom_op("ampkernels::linear_cross_entropy_fwd", mutates_args=())
 def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
                              label_smoothing: float, reduction: str, need_dx: bool, need_dw: bool, need_db: bool,
-                             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             chunk_floor: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, dx, dweight, dbias) for 2-D contiguous x (M, K), weight (V, K) in x's dtype or fp32
     (cast inside), target (M,); the gradients are of the summed per-token losses (empty (0,)
     tensors when not needed); dweight and dbias in fp32 (fp64 for fp64 x). loss: fp32 (fp64),
-    () or (M,) for reduction "none"."""
+    () or (M,) for reduction "none". chunk_floor: see chunk_rows."""
     return fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
-                    backend)
+                    chunk_floor, backend)
 
 
 @linear_cross_entropy_fwd.register_fake
-def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db, backend):
+def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db, chunk_floor,
+      backend):
     acc = _acc_dtype(x.dtype)
     m, k, v = x.shape[0], x.shape[1], weight.shape[0]
     loss = x.new_empty((m,) if reduction == "none" else (), dtype=acc)
@@ -255,7 +265,7 @@ def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx
 # ---------------------------------------------------------------- backward custom op (recompute)
 
 def bwd_impl(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
-             backend):
+             chunk_floor, backend):
     """(dx, dw, db) with the logits recomputed chunk by chunk; dloss: () for mean/sum, (M,) for
     "none". dw and db in fp32 (fp64 for fp64 x), dx in x's dtype."""
     with torch.autocast(x.device.type, enabled=False):
@@ -269,23 +279,24 @@ def bwd_impl(dloss, x, weight, bias, target, ignore_index, label_smoothing, redu
             scale = dloss.to(sdt).reshape(1)
             if reduction == "mean":
                 scale = scale / _n_valid(target, ignore_index, sdt).clamp_min(1)
-        losses = torch.empty(min(chunk_rows(m, k, v), m), dtype=acc, device=x.device)  # written, unused
+        losses = torch.empty(min(chunk_rows(m, k, v, chunk_floor), m), dtype=acc, device=x.device)  # written, unused
         return _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, label_smoothing,
-                           (need_dx, need_dw, need_db), backend)
+                           (need_dx, need_dw, need_db), chunk_floor, backend)
 
 
 @torch.library.custom_op("ampkernels::linear_cross_entropy_bwd", mutates_args=())
 def linear_cross_entropy_bwd(dloss: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                              ignore_index: int, label_smoothing: float, reduction: str, need_dx: bool, need_dw: bool,
-                             need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                             need_db: bool, chunk_floor: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias) of reduction(losses) scaled by dloss, the logits recomputed;
     dweight and dbias in fp32 (fp64 for fp64 x); empty (0,) tensors when not needed."""
     return bwd_impl(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw,
-                    need_db, backend)
+                    need_db, chunk_floor, backend)
 
 
 @linear_cross_entropy_bwd.register_fake
-def _(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db, backend):
+def _(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db, chunk_floor,
+      backend):
     acc = _acc_dtype(x.dtype)
     m, k, v = x.shape[0], x.shape[1], weight.shape[0]
     return (x.new_empty((m, k)) if need_dx else x.new_empty(0),
@@ -315,31 +326,31 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, target, ignore_index, label_smoothing, reduction, backend):
+    def forward(ctx, x, weight, bias, target, ignore_index, label_smoothing, reduction, floor, backend):
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_db = need_db and bias is not None
-        ctx.args = (ignore_index, label_smoothing, reduction, backend)
+        ctx.args = (ignore_index, label_smoothing, reduction, floor, backend)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.need = (need_dx, need_dw, need_db)
         if reduction == "none":
             loss = _fwd(x, weight, bias, target, ignore_index, label_smoothing, reduction, False, False, False,
-                        backend)[0]
+                        floor, backend)[0]
             ctx.save_for_backward(x, weight, bias, target)
         else:
             loss, dx, dw, db = _fwd(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx,
-                                    need_dw, need_db, backend)
+                                    need_dw, need_db, floor, backend)
             ctx.save_for_backward(target, dx, dw, db)
         return loss
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dloss):
-        ignore_index, label_smoothing, reduction, backend = ctx.args
+        ignore_index, label_smoothing, reduction, floor, backend = ctx.args
         need_dx, need_dw, need_db = ctx.need
         if reduction == "none":
             x, weight, bias, target = ctx.saved_tensors
             dx, dw, db = _bwd(dloss.contiguous(), x, weight, bias, target, ignore_index, label_smoothing, reduction,
-                              need_dx, need_dw, need_db, backend)
+                              need_dx, need_dw, need_db, floor, backend)
         else:
             # in place on the saved gradients: no second weight-sized buffer while the model's
             # activations peak. A second backward through this node (retain_graph) gets torch's
@@ -358,7 +369,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 db = db.mul_(factor) if bdt == db.dtype else torch.mul(db, factor, out=torch.empty_like(db, dtype=bdt))
         wdt, bdt = ctx.dtypes
         return (dx if need_dx else None, dw.to(wdt) if need_dw else None, db.to(bdt) if need_db else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 # ---------------------------------------------------------------- "auto"
@@ -450,8 +461,11 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, lab
     bias = None if bias is None else bias.contiguous()
     training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
                                             (bias is not None and bias.requires_grad))
+    floor = current_chunk_floor()
     if training:
-        loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, name)
+        loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, floor,
+                                                name)
     else:
-        loss = _fwd(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, False, False, False, name)[0]
+        loss = _fwd(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, False, False, False, floor,
+                    name)[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
