@@ -16,8 +16,9 @@ copied per mode) and sees the same batches, and the loss after N steps shows whe
 converting changed accuracy. Fused AdamW.
 
 Rows (op "e2e"): model, mode, compiled, ms per step (median of the timed steps: the second
-half; CUDA events around the whole step: forward, backward, GradScaler, optimizer),
-tokens/s (images/s for ViT), peak memory (max_memory_allocated from after the model and
+half; CUDA events around the whole step: forward, backward, GradScaler, optimizer), host ms
+(the median time the host took to issue a step, until it waits for the GPU: near ms, the step
+waits on the host), tokens/s (images/s for ViT), peak memory (max_memory_allocated from after the model and
 optimizer are built), loss after the last step, first-step time (compilation included),
 steps, and for convert modes the call made and how many modules it replaced.
 
@@ -47,7 +48,7 @@ MODES = {"fp32": (None, False), "fp32_convert": (None, True), "amp_fp16": (torch
 CPU_MODES = ("fp32", "fp32_convert", "amp_bf16", "amp_bf16_convert")
 # every row has these fields (peak_mem_GiB is None on CPU, converted / convert_call on unconverted modes)
 ROW_FIELDS = ("op", "model", "mode", "compiled", "provider", "pass", "dtype", "shape", "device", "metric", "value",
-              "ms", "peak_mem_GiB", "final_loss", "first_step_s", "steps", "timed_steps", "converted", "convert_call",
+              "ms", "host_ms", "peak_mem_GiB", "final_loss", "first_step_s", "steps", "timed_steps", "converted", "convert_call",
               "fused_loss", "params_M", "library")
 
 # per model and size: "full" is the benchmark, "quick" a smaller GPU run, "tiny" the CPU demo
@@ -235,6 +236,10 @@ class _StepTimer:
             self.events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.events[0].record()
 
+    def issued(self):
+        """Host ms since start: call when the step's work is queued, before waiting for it."""
+        return (time.perf_counter() - self.t0) * 1e3
+
     def stop(self):
         """(ms by the events or clock, wall seconds since start), after the step has finished."""
         if self.cuda:
@@ -289,16 +294,18 @@ def train(recorder, work, mode, compiled, steps, device):
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    timer, times, first_s, loss = _StepTimer(device), [], None, None
+    timer, times, host, first_s, loss = _StepTimer(device), [], [], None, None
     warm = max(1, steps // 2)
     for i in range(steps):
         timer.start()
         loss = step()
+        issued = timer.issued()
         ms, wall = timer.stop()
         if i == 0:
             first_s = wall  # includes compilation under torch.compile
         if i >= warm:
             times.append(ms)
+            host.append(issued)
     ms = statistics.median(times)
     if compiled:
         torch._dynamo.reset()
@@ -306,6 +313,7 @@ def train(recorder, work, mode, compiled, steps, device):
         op="e2e", model=work.name, mode=mode, compiled=compiled, provider=mode + ("_compile" if compiled else ""),
         **{"pass": "train_step"}, dtype=str(dtype or torch.float32).replace("torch.", ""), shape=work.shape,
         device=device, metric="ms" if cuda else "ms (CPU, not a GPU number)", value=round(ms, 2), ms=ms,
+        host_ms=round(statistics.median(host), 2),
         **{f"{work.unit}_per_s": round(work.items / ms * 1e3)},
         peak_mem_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         final_loss=round(loss.item(), 4), first_step_s=round(first_s, 3), steps=steps, timed_steps=len(times),
@@ -402,20 +410,21 @@ def report(rows):
         demo = ", CPU demo: tiny model, times mean nothing" if cpu else ""
         lines.append(f"e2e {TITLES.get(model, model)} ({shape}{demo})"
                      + (f"; {call} replaced {replaced} modules" if call else "") + ":")
-        lines.append(f"  {'mode':<17} {'base ms':>9} {'convert ms':>10} {'speed':>7} {'peak GiB base->conv':>21} "
-                     f"{'loss base->conv (delta)':>30}")
+        lines.append(f"  {'mode':<17} {'base ms':>9} {'convert ms':>10} {'speed':>7} {'host ms base->conv':>19} "
+                     f"{'peak GiB base->conv':>21} {'loss base->conv (delta)':>30}")
         for base, b, c, compiled in pairs(cells):
             ms_b, ms_c = (b or {}).get("ms"), (c or {}).get("ms")
             mem_b, mem_c = (b or {}).get("peak_mem_GiB"), (c or {}).get("peak_mem_GiB")
             loss_b, loss_c = (b or {}).get("final_loss"), (c or {}).get("final_loss")
             speed = ratio(ms_b, ms_c)
+            host = "->".join(_ms((r or {}).get("host_ms")) for r in (b, c))
             verdict = "" if cpu or not speed else " ok" if ms_b / ms_c >= 1.0 else " SLOWER"
             mem = f"{mem_b}->{mem_c} ({ratio(mem_c, mem_b)})" if mem_b and mem_c else ""
             loss = f"{loss_b}->{loss_c} ({loss_c - loss_b:+.4f})" if loss_b is not None and loss_c is not None else ""
             fp32 = cells.get(("fp32", compiled), {}).get("ms")
             seed = f"  AMP vs FP32 {ratio(fp32, ms_b)}" if base != "fp32" and fp32 and ms_b else ""
             lines.append(f"  {base + (' compile' if compiled else ' eager'):<17} {_ms(ms_b):>9} {_ms(ms_c):>10} "
-                         f"{speed:>7} {mem:>21} {loss:>30}{verdict}{seed}")
+                         f"{speed:>7} {host:>19} {mem:>21} {loss:>30}{verdict}{seed}")
     return lines
 
 
