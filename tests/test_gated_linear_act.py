@@ -223,19 +223,17 @@ def test_explicit_cuda_on_cpu_is_a_clear_error():
         ampkernels.gated_linear_act(x, wg, wu, backend="cuda")
 
 
-def test_auto_preference(monkeypatch):
+def test_auto_preference():
     assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", True) == ("cuda", "triton")
     assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", False) == ("cuda", "triton")
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", True) == ("torch",)
-    monkeypatch.undo()
+    assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", True, compiling=True) == ("torch",)
     torch.use_deterministic_algorithms(True)
     try:
         assert gla.preference(torch.device("cuda"), torch.float16, "silu", "small", False) == ("cuda",)
     finally:
         torch.use_deterministic_algorithms(False)
     x, wg, wu, _, _ = _inputs(4, 8, 6, torch.float16, "cpu")
-    assert gla._choose(None, x.device, x.dtype, "silu", "small", False, None) == "torch"
+    assert gla._choose(None, x.device, x.dtype, "silu", "small", False, None, False) == "torch"
 
 
 # ---------------------------------------------------------------- CPU tier: Triton under the interpreter

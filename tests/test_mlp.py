@@ -72,7 +72,7 @@ def test_auto_follows_linear_act_table_without_torch(monkeypatch):
     monkeypatch.setattr(mlp.la, "preference", lambda *a: seen.append(a) or ("torch", "triton", "cuda"))
     dev = torch.device("cpu")
     assert mlp.auto_preference(dev, torch.bfloat16, "gelu_tanh", "large", True) == ("triton", "cuda")
-    assert seen == [(dev, torch.bfloat16, "gelu_tanh", "large", True)]
+    assert seen == [(dev, torch.bfloat16, "gelu_tanh", "large", True, False)]
     monkeypatch.setattr(mlp.la, "preference", lambda *a: ("torch",))
     assert mlp.auto_preference(dev, torch.float16, "gelu", "small", False) == ("cuda", "triton")
 

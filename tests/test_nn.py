@@ -1,10 +1,13 @@
 """Drop-in modules and convert(): the torch modules they replace, and real model structures."""
+import contextlib
 import copy
 
 import pytest
 import torch
 
+import ampkernels
 import ampkernels.nn as aknn
+from ampkernels.ops import gated_linear_act as gla, mlp as mlp_ops
 from tests.utils import assert_rel_close
 
 transformers = pytest.importorskip("transformers")
@@ -267,13 +270,37 @@ def _compiled_ops(fn, *args):
 
 def test_auto_hands_the_ops_to_inductor_under_compile(monkeypatch):
     # the decision itself, on any machine: under torch.compile "auto" prefers torch for every op
-    from ampkernels.ops import layer_norm as ln, linear_act as la, mlp
+    from ampkernels.ops import layer_norm as ln, linear_act as la
 
+    cuda = torch.device("cuda")
+    assert la.preference(cuda, torch.bfloat16, "gelu_tanh", "large", True, compiling=True) == ("torch",)
+    assert mlp_ops.auto_preference(cuda, torch.bfloat16, "gelu", "large", True, compiling=True) == ("torch",)
+    assert gla.preference(cuda, torch.bfloat16, "silu", "large", True, compiling=True) == ("torch",)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     x = torch.randn(4, 8, dtype=torch.float16)
     assert ln._preference(x, 8, "fwd", torch.float32) == ln._preference(x, 8, "bwd") == ("torch",)
-    assert la.preference(torch.device("cuda"), torch.bfloat16, "gelu_tanh", "large", True) == ("torch",)
-    assert mlp.auto_preference(torch.device("cuda"), torch.bfloat16, "gelu", "large", True) == ("torch",)
+
+
+@pytest.mark.parametrize("op", ["linear_act", "fused_mlp", "gated_linear_act"])
+def test_auto_sees_compile_where_torch_does_not_say_so(monkeypatch, op):
+    # Dynamo runs the ops' _choose as plain Python (a constant of the graph); there torch before
+    # 2.14 answers is_compiling() with False (2.14 holds the flag through the compile session).
+    # Emulated here: without the flag "auto" picked the eager order, so the kernels ran as opaque
+    # custom ops in compiled graphs (12 gated custom-op pairs a step in the LLaMA-style model).
+    from ampkernels import backends
+    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    seen = []
+    real = backends.select
+    monkeypatch.setattr(backends, "select", lambda name, backend, device, pref, *a: seen.append(pref) or
+                        real(name, backend, device, pref, *a))
+    x = torch.randn(16, 32, requires_grad=True)
+    w1, w2 = torch.randn(64, 32, requires_grad=True), torch.randn(32, 64, requires_grad=True)
+    calls = {"linear_act": lambda: ampkernels.linear_act(x, w1),
+             "fused_mlp": lambda: mlp_ops.fused_mlp(x, w1, None, w2, None),
+             "gated_linear_act": lambda: ampkernels.gated_linear_act(x, w1, w1)}
+    torch._dynamo.reset()
+    torch.compile(calls[op], backend="eager", fullgraph=True)().sum().backward()
+    assert seen and all(p == ("torch",) for p in seen), seen
 
 
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16),

@@ -220,9 +220,9 @@ class GatedLinearActFunction(torch.autograd.Function):
 _AUTO = ("cuda", "triton")
 
 
-def preference(device, dtype, activation, bucket, training):
-    """Backends "auto" tries, fastest first."""
-    if torch.compiler.is_compiling():
+def preference(device, dtype, activation, bucket, training, compiling=False):
+    """Backends "auto" tries, fastest first. compiling: as linear_act's preference."""
+    if compiling:
         # inductor gets the eager decomposition (two GEMMs and one fused elementwise kernel), as
         # linear_act's preference does: opaque custom ops cost the compiled step host time
         return ("torch",)
@@ -232,10 +232,10 @@ def preference(device, dtype, activation, bucket, training):
 
 
 @backends.assume_constant_result
-def _choose(backend, device, dtype, activation, bucket, training, unsupported):
+def _choose(backend, device, dtype, activation, bucket, training, unsupported, compiling):
     # a host-side decision, a constant of the graph under torch.compile (as linear_act's _choose)
-    return backends.select("gated_linear_act", backend, device, preference(device, dtype, activation, bucket, training),
-                           unsupported)
+    return backends.select("gated_linear_act", backend, device,
+                           preference(device, dtype, activation, bucket, training, compiling), unsupported)
 
 
 # ---------------------------------------------------------------- functional API
@@ -277,7 +277,7 @@ def _prepare(op, x, params, activation, backend, recompute):
     unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, *params))
     name = _choose(backend, device, x.dtype, activation, la.shape_bucket(x2.shape[0], 2 * hidden, k),
-                   training, unsupported)
+                   training, unsupported, torch.compiler.is_compiling())
     if name != "torch" or recompute:  # the kernels' layout; a chunk of a packed weight stays a view
         x2 = x2.contiguous()
         params = tuple(None if t is None else t.contiguous() for t in params)

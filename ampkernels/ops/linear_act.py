@@ -256,8 +256,9 @@ def auto_preference(device, dtype, activation, m, n, k, training=False):
     return preference(device, dtype, activation, shape_bucket(m, n, k), training)
 
 
-def preference(device, dtype, activation, bucket, training):
-    if torch.compiler.is_compiling():
+def preference(device, dtype, activation, bucket, training, compiling=False):
+    """compiling: torch.compiler.is_compiling() as the traced caller sees it (see _choose)."""
+    if compiling:
         # inductor gets F.linear + the activation: as opaque custom ops our kernels cost the
         # compiled step 200-400 us of host each (docs/performance.md)
         return ("torch",)
@@ -271,11 +272,13 @@ def preference(device, dtype, activation, bucket, training):
 
 
 @backends.assume_constant_result
-def _choose(backend, device, dtype, activation, bucket, training, unsupported):
+def _choose(backend, device, dtype, activation, bucket, training, unsupported, compiling):
     # A host-side decision (environment, availability probes, the table): under torch.compile
-    # it runs once at trace time and the name is baked into the graph, never traced.
-    return backends.select("linear_act", backend, device, preference(device, dtype, activation, bucket, training),
-                           unsupported)
+    # it runs once at trace time and the name is baked into the graph, never traced. Dynamo
+    # runs it as plain Python, where torch before 2.14 says is_compiling() is False: the traced
+    # caller passes `compiling` in.
+    return backends.select("linear_act", backend, device,
+                           preference(device, dtype, activation, bucket, training, compiling), unsupported)
 
 
 # ---------------------------------------------------------------- functional API
@@ -323,7 +326,8 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
     training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
                                             (bias is not None and bias.requires_grad))
-    name = _choose(backend, device, x.dtype, activation, shape_bucket(m, n, k), training, unsupported)
+    name = _choose(backend, device, x.dtype, activation, shape_bucket(m, n, k), training, unsupported,
+                   torch.compiler.is_compiling())
     if recompute and torch.compiler.is_exporting():
         recompute = False  # a memory option of training; the exported graph gets F.linear + the activation
     if name != "torch" or recompute:  # the kernels take contiguous tensors; F.linear any strides

@@ -137,23 +137,23 @@ class FusedMLPFunction(torch.autograd.Function):
                 None, None, None)
 
 
-def auto_preference(device, dtype, activation, bucket, training):
+def auto_preference(device, dtype, activation, bucket, training, compiling=False):
     """Backends "auto" tries for fused_mlp, fastest first: linear_act's measured order for the
     first GEMM's shape, never the unfused torch path in eager (FusedMLP is there for its memory).
     In the MLP benchmark (bf16) this picks what ran faster: Triton at T=8192 H=4096 (11.74-12.15 ms
     against cuda's 11.94-12.70), cuda at T=16384 H=1024 (2.02-2.07 against 2.27-2.54, host-bound
     there). Under torch.compile linear_act's decision: inductor gets the block."""
-    pref = la.preference(device, dtype, activation, bucket, training)
-    if torch.compiler.is_compiling():
+    pref = la.preference(device, dtype, activation, bucket, training, compiling)
+    if compiling:
         return pref  # linear_act's decision under torch.compile (inductor gets the block)
     return tuple(b for b in pref if b != "torch") or ("cuda", "triton")
 
 
 @backends.assume_constant_result
-def _choose(backend, device, dtype, activation, bucket, training, unsupported):
+def _choose(backend, device, dtype, activation, bucket, training, unsupported, compiling):
     # a host-side decision, a constant of the graph under torch.compile (as linear_act's _choose)
-    return backends.select("fused_mlp", backend, device, auto_preference(device, dtype, activation, bucket, training),
-                           unsupported)
+    return backends.select("fused_mlp", backend, device,
+                           auto_preference(device, dtype, activation, bucket, training, compiling), unsupported)
 
 
 def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
@@ -183,7 +183,7 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     name = _choose(backend, x.device, x.dtype, activation, la.shape_bucket(m, w1.shape[0], w1.shape[1]), training,
-                   unsupported)
+                   unsupported, torch.compiler.is_compiling())
     if name == "torch":  # the eager block, exactly what FusedMLP replaces (F.linear casts under autocast)
         return F.linear(reference.act_fwd(F.linear(x, w1, b1), activation), w2, b2)
     contiguous = lambda t: None if t is None else t.contiguous()  # noqa: E731  (the kernels' layout)
