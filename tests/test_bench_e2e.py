@@ -43,7 +43,7 @@ def test_e2e_rows_have_every_field(e2e_run):
         assert r["gpu"] == "cpu" and r["commit"] and r["torch"] == torch.__version__
         if r["mode"].endswith("_convert"):
             assert r["convert_call"].startswith("ampkernels.integrations.") and r["converted"] > 0
-            assert r["fused_loss"] == (r["model"] in ("gpt2", "llama"))  # the causal LMs' LM head + loss
+            assert r["fused_loss"] == (r["model"] in ("gpt2", "llama", "bert"))  # the LMs' head + loss
         else:
             assert r["converted"] is None and r["convert_call"] is None and r["fused_loss"] is None
     calls = {r["model"]: r["convert_call"] for r in rows if r["convert_call"]}

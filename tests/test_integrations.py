@@ -100,7 +100,7 @@ def test_apply_after_accelerate_prepare_trains_the_prepared_parameters():
     assert not torch.equal(fused.weight, before)
 
 
-def test_transformers_apply_fuses_the_causal_lm_loss_and_reports_what_it_cannot():
+def test_transformers_apply_fuses_the_lm_loss_and_reports_what_it_cannot():
     transformers = pytest.importorskip("transformers")
     import inspect
     from ampkernels.integrations import loss as ak_loss, transformers as ak_hf
@@ -116,9 +116,11 @@ def test_transformers_apply_fuses_the_causal_lm_loss_and_reports_what_it_cannot(
     assert_rel_close(out.loss, ref(input_ids=ids, labels=ids).loss, torch.float32, factor=10)
     unfused = copy.deepcopy(ref)
     assert not ak_hf.apply(unfused, fuse_loss=False).fused_loss and not ak_loss.is_fused(unfused)
-    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32)
-    bert = transformers.BertForMaskedLM(cfg)
-    report = ak_hf.apply(bert)
-    assert not report.fused_loss and not ak_loss.is_fused(bert)
+    cfg = dict(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+               max_position_embeddings=32)
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(**cfg))
+    assert ak_hf.apply(bert).fused_loss and ak_loss.is_fused(bert)  # BERT's masked-LM head
+    roberta = transformers.RobertaForMaskedLM(transformers.RobertaConfig(**cfg))  # its head has no transform
+    report = ak_hf.apply(roberta)
+    assert not report.fused_loss and not ak_loss.is_fused(roberta)
     assert any(k.path == "" and "LM head + loss not fused" in k.reason for k in report.skipped), str(report)

@@ -1,4 +1,4 @@
-"""ampkernels.integrations.loss.fuse_causal_lm_loss on tiny Hugging Face causal LMs (CPU): the
+"""ampkernels.integrations.loss on tiny Hugging Face causal LMs and BERT masked LMs (CPU): the
 same loss and gradients as the unpatched model, no logits, state_dict / save_pretrained
 untouched, eval and generation unchanged, models it cannot handle refused."""
 import copy
@@ -8,7 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ampkernels.integrations.loss import fuse_causal_lm_loss, is_fused, unfuse_causal_lm_loss  # noqa: E402
+from ampkernels.integrations.loss import (fuse_causal_lm_loss, fuse_lm_loss, fuse_masked_lm_loss, is_fused,  # noqa: E402
+                                         unfuse_causal_lm_loss)
 
 
 def _gpt2():
@@ -168,5 +169,108 @@ def test_gpu_autocast_training_matches(name, backend):
     want.loss.backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if q.grad is not None:
+            err = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
+            assert err < 2e-2, (n, err)
+
+
+# ---------------------------------------------------------------- masked LMs (BERT's head)
+
+def _bert(vocab=211):
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=vocab, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    ref = transformers.BertForMaskedLM(cfg).train()
+    return fuse_masked_lm_loss(copy.deepcopy(ref)), ref
+
+
+def _mlm_batch(model, b=3, t=13, rate=0.3):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (b, t), generator=g)
+    labels = torch.where(torch.rand(b, t, generator=g) < rate, ids, -100)
+    return ids, labels
+
+
+def test_masked_lm_same_loss_and_gradients_no_logits():
+    model, ref = _bert()
+    ids, labels = _mlm_batch(model)
+    mask = torch.ones_like(ids)
+    mask[2, -3:] = 0
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is None and type(out) is type(want)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    want.loss.backward()
+    # the key biases' gradients are zero up to rounding (softmax ignores a per-query constant)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None and not n.endswith("key.bias"):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_masked_lm_rows_kept_in_eager_all_rows_under_compile():
+    # eager runs the head on the labelled rows alone, compiled on all of them: the same loss
+    model, ref = _bert()
+    ids, labels = _mlm_batch(model)
+    seen = []
+    model.cls.predictions.transform.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+    eager = model(input_ids=ids, labels=labels).loss
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, labels=labels).loss
+    assert seen[0] == int((labels != -100).sum()) and seen[-1] == ids.numel()
+    torch.testing.assert_close(eager, compiled, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(eager, ref(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_lm_edges_eval_and_unfuse():
+    model, ref = _bert()
+    ids, labels = _mlm_batch(model)
+    none = torch.full_like(ids, -100)
+    assert model(input_ids=ids, labels=none).loss.isnan() and ref(input_ids=ids, labels=none).loss.isnan()
+    model.eval()
+    ref.eval()
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).logits, ref(input_ids=ids, labels=labels).logits)
+    assert is_fused(model) and set(model.state_dict()) == set(ref.state_dict())
+    unfuse_causal_lm_loss(model)
+    model.train()
+    assert not is_fused(model) and model(input_ids=ids, labels=labels).logits is not None
+
+
+def test_masked_lm_other_structures_refused():
+    model, _ = _bert()
+    unfuse_causal_lm_loss(model)
+    model.cls.predictions.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="fuse_masked_lm_loss: cannot fuse BertForMaskedLM: BertLMPredictionHead has"):
+        fuse_masked_lm_loss(model)
+    cfg = transformers.RobertaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                     vocab_size=97, max_position_embeddings=64)
+    roberta = transformers.RobertaForMaskedLM(cfg)
+    with pytest.raises(ValueError, match="not the decoder of a head with a transform"):
+        fuse_masked_lm_loss(roberta)
+    assert "forward" not in vars(roberta)
+    with pytest.raises(ValueError, match="does not return a MaskedLMOutput"):
+        fuse_masked_lm_loss(_gpt2())
+    # fuse_lm_loss picks the kind from the forward's output class
+    assert is_fused(fuse_lm_loss(_bert()[1])) and is_fused(fuse_lm_loss(_gpt2()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_masked_lm_autocast_training_matches(backend):
+    model, ref = _bert(vocab=1003)
+    model.cuda()
+    ref.cuda()
+    fuse_masked_lm_loss(model, backend=backend)
+    ids, labels = (a.cuda() for a in _mlm_batch(model, b=4, t=48, rate=0.15))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=labels)
+        want = ref(input_ids=ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, want.loss, rtol=2e-3, atol=2e-3)
+    out.loss.backward()
+    want.loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is not None and not n.endswith("key.bias"):
             err = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
             assert err < 2e-2, (n, err)

@@ -7,8 +7,8 @@
     from ampkernels.integrations import timm as ak_timm
     report = ak_timm.apply(model)
 
-    from ampkernels.integrations.loss import fuse_causal_lm_loss
-    fuse_causal_lm_loss(model)             # the LM head + loss without the logits (training)
+    from ampkernels.integrations.loss import fuse_lm_loss
+    fuse_lm_loss(model)                    # a causal or masked LM's head + loss without the logits
 
 apply() is ampkernels.nn.convert (same keyword arguments, same report). Importing
 ampkernels.integrations.transformers imports transformers (for TrainerCallback); the timm one

@@ -1,6 +1,6 @@
-"""Hugging Face transformers: `apply(model)` converts a model in place and, for a causal LM,
-fuses its LM head and loss (ampkernels.integrations.loss); `ConvertCallback` does it from inside
-a Trainer when training begins.
+"""Hugging Face transformers: `apply(model)` converts a model in place and, for a causal LM or a
+BERT-style masked LM, fuses its LM head and loss (ampkernels.integrations.loss);
+`ConvertCallback` does it from inside a Trainer when training begins.
 
 convert() shares the Parameter objects, so apply() may run before or after an optimizer,
 Trainer, accelerate.prepare or DDP is set up: what they hold keeps pointing at the same tensors,
@@ -10,7 +10,7 @@ an unconverted one).
 from transformers import TrainerCallback
 
 from . import convert_wrapped, unwrap
-from .loss import check_fusable, fuse_causal_lm_loss
+from .loss import check_lm_fusable, fuse_lm_loss
 
 
 def apply(model, *, fuse_loss=True, **convert_kwargs):
@@ -18,7 +18,7 @@ def apply(model, *, fuse_loss=True, **convert_kwargs):
     are looked through) in place; returns the ConvertReport. convert_kwargs: those of
     ampkernels.nn.convert (norms, linears, backend, norm_out_dtype, verbose).
 
-    fuse_loss: also fuse a causal LM's LM head and loss (fuse_causal_lm_loss: training with
+    fuse_loss: also fuse a causal or masked LM's head and loss (fuse_lm_loss: training with
     labels never builds the logits); a model it cannot take is listed in report.skipped with
     the reason and keeps its own loss."""
     report = convert_wrapped(model, convert_kwargs)
@@ -26,11 +26,11 @@ def apply(model, *, fuse_loss=True, **convert_kwargs):
     if fuse_loss and callable(getattr(inner, "get_output_embeddings", None)) and \
             inner.get_output_embeddings() is not None:
         try:
-            check_fusable(inner)
+            check_lm_fusable(inner)
         except ValueError as e:
             report.skip("", inner, f"LM head + loss not fused: {e}")
         else:
-            fuse_causal_lm_loss(inner, backend=convert_kwargs.get("backend"))
+            fuse_lm_loss(inner, backend=convert_kwargs.get("backend"))
             report.fused_loss = True
     return report
 

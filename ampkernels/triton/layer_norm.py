@@ -24,7 +24,6 @@ torch.ops.ampkernels.norm_{fwd,bwd}_cuda ops (ampkernels/ops/layer_norm.py calls
   docs/performance.md has the numbers.
 """
 import functools
-import os
 
 import torch
 import triton

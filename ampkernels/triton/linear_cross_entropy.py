@@ -12,7 +12,6 @@ logsumexp does, so masked lanes never make 0 * inf.
 """
 import os
 
-import torch
 import triton
 import triton.language as tl
 
