@@ -2,7 +2,7 @@
 environment (GPU, versions, commit) and result rows appended as JSON lines.
 
 A row: {op, provider, shape..., dtype, pass (fwd|bwd|fwd_bwd), metric, value, ms, ms_p20,
-ms_p80, gpu, cc, torch, cuda, triton, commit, time}; rows of a public provider (providers.py)
+ms_p80, gpu, cc, host, torch, cuda, triton, commit, time}; rows of a public provider (providers.py)
 also carry provider_version. Plots and reports read these rows.
 """
 import contextlib
@@ -32,6 +32,7 @@ def environment():
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
         env["cc"] = "{}.{}".format(*torch.cuda.get_device_capability())
+    env["host"] = _host_cpu()
     # AMPKERNELS_COMMIT wins: the GPU machine's copy of the tree can carry a .git whose HEAD is
     # not the commit that was copied
     env["commit"] = os.environ.get("AMPKERNELS_COMMIT")
@@ -43,6 +44,20 @@ def environment():
         except (OSError, subprocess.SubprocessError):
             env["commit"] = "unknown"
     return env
+
+
+def _host_cpu():
+    """The host's CPU model and the cores this process may use: host-bound rows (small ops, eager
+    training steps) follow the host, which differs between machines of one GPU kind."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    import platform
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model or platform.processor() or platform.machine()}, {cores} cores"
 
 
 def cuda_step_peak(step, warmup=2):
