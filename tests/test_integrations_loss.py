@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from torch.nn import CrossEntropyLoss
 
 transformers = pytest.importorskip("transformers")
 
@@ -251,6 +252,29 @@ def test_masked_lm_other_structures_refused():
     assert "forward" not in vars(roberta)
     with pytest.raises(ValueError, match="does not return a MaskedLMOutput"):
         fuse_masked_lm_loss(_gpt2())
+
+    class Plain(transformers.BertForMaskedLM):  # BERT's forward, restated: accepted
+        def forward(self, input_ids=None, labels=None, **kwargs) -> transformers.modeling_outputs.MaskedLMOutput:
+            outputs = self.bert(input_ids, return_dict=True, **kwargs)
+            sequence_output = outputs[0]
+            prediction_scores = self.cls(sequence_output)
+            loss_fct = CrossEntropyLoss()
+            loss = loss_fct(prediction_scores.view(-1, self.config.vocab_size), labels.view(-1))
+            return transformers.modeling_outputs.MaskedLMOutput(loss=loss, logits=prediction_scores)
+
+    class Scaled(transformers.BertForMaskedLM):  # the same, with the scores changed before the loss
+        def forward(self, input_ids=None, labels=None, **kwargs) -> transformers.modeling_outputs.MaskedLMOutput:
+            outputs = self.bert(input_ids, return_dict=True, **kwargs)
+            sequence_output = outputs[0]
+            prediction_scores = self.cls(sequence_output) / 2
+            loss_fct = CrossEntropyLoss()
+            loss = loss_fct(prediction_scores.view(-1, self.config.vocab_size), labels.view(-1))
+            return transformers.modeling_outputs.MaskedLMOutput(loss=loss, logits=prediction_scores)
+
+    cfg = _bert()[1].config
+    assert is_fused(fuse_masked_lm_loss(Plain(cfg)))
+    with pytest.raises(ValueError, match="its forward is not 'self.bert"):
+        fuse_masked_lm_loss(Scaled(cfg))
     # fuse_lm_loss picks the kind from the forward's output class
     assert is_fused(fuse_lm_loss(_bert()[1])) and is_fused(fuse_lm_loss(_gpt2()))
 

@@ -300,8 +300,8 @@ def check_masked_fusable(model):
     prefix, top = re.escape(model.base_model_prefix), re.escape(path.split(".")[0])
     # outputs = self.bert(...); sequence_output = outputs[0]; scores = self.cls(sequence_output);
     # ... CrossEntropyLoss() over scores.view(-1, vocab) and labels.view(-1) ...; return
-    pattern = (rf"(\w+) = self\.{prefix}\(.*\)\n(\w+) = \1\[0\]\n(\w+) = self\.{top}\(\2\)\n.*"
-               rf"(\w+) = CrossEntropyLoss\(\)\n\s*\w+ = \4\(\3\.view\(-1, self\.config\.vocab_size\), "
+    pattern = (rf"(\w+) = self\.{prefix}\(.*?\)\n(\w+) = \1\[0\]\n(\w+) = self\.{top}\(\2\)\n.*?"
+               rf"\b(\w+) = CrossEntropyLoss\(\)\n\s*\w+ = \4\(\3\.view\(-1, self\.config\.vocab_size\), "
                rf"labels\.view\(-1\)\)\n")
     if not re.search(pattern, "\n".join(code), re.DOTALL):
         _refuse_masked(model, f"its forward is not 'self.{model.base_model_prefix}(...) -> self.{path.split('.')[0]}"
@@ -317,8 +317,8 @@ def fuse_masked_lm_loss(model, *, backend=None):
     if getattr(model, _ATTR, False) is not False:
         setattr(model, _ATTR, backend)
         return model
-    from transformers.modeling_outputs import MaskedLMOutput
     path = check_masked_fusable(model)
+    from transformers.modeling_outputs import MaskedLMOutput
     object.__setattr__(model, _ATTR, backend)
     object.__setattr__(model, _HEAD_ATTR, path)
     _wrap(model, _forward_info(type(model), MaskedLMOutput), _masked_loss)
