@@ -12,6 +12,7 @@ import datetime
 import functools
 import json
 import os
+import platform
 import pstats
 import subprocess
 import sys
@@ -55,7 +56,6 @@ def _host_cpu():
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
     except OSError:
         pass
-    import platform
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{model or platform.processor() or platform.machine()}, {cores} cores"
 

@@ -50,8 +50,8 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 _LOSS_ONLY_KWARGS = ("shift_labels", "num_items_in_batch", "ignore_index")
 
 
-def _refuse(model, why):
-    raise ValueError(f"fuse_causal_lm_loss: cannot fuse {type(model).__name__}: {why}; the model is left as it was")
+def _refuse(model, why, op="fuse_causal_lm_loss"):
+    raise ValueError(f"{op}: cannot fuse {type(model).__name__}: {why}; the model is left as it was")
 
 
 def _forward_source(cls):
@@ -245,8 +245,7 @@ def _wrap(model, info, loss_fn):
 _HEAD_ATTR = "_ampkernels_mlm_head"
 
 
-def _refuse_masked(model, why):
-    raise ValueError(f"fuse_masked_lm_loss: cannot fuse {type(model).__name__}: {why}; the model is left as it was")
+_refuse_masked = functools.partial(_refuse, op="fuse_masked_lm_loss")
 
 
 def _statements(fn):
