@@ -371,6 +371,14 @@ std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// t's storage under another (contiguous) shape, as a tensor of its own rather than a view: outputs
+// of a custom autograd Function that are views may not be edited in place, a norm's or a
+// linear's output often is (x += ..., inplace activations)
+at::Tensor reshaped_output(const at::Tensor& t, at::IntArrayRef sizes) {
+  const at::Tensor v = t.view(sizes);
+  return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), v.sizes(), v.strides());
+}
+
 // The contract of ampkernels/ops/layer_norm.py's NormFunction: the backward re-reads what was
 // normalised (x, or the stored residual sum), dbias comes back in bias's dtype, dresidual in the
 // residual's (dx itself when that is x's), and an unused `out` gets a zero gradient.
@@ -385,8 +393,18 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
       bias_k = bias->to(weight->scalar_type());  // the kernels take one param dtype
     }
     static const auto fwd = typed_op<NormFwdFn>("ampkernels::norm_fwd_cuda");
+    // x (and residual) of any rank, contiguous, normalised over the last dim: the kernels see rows
+    // (views made here, below autograd, add no nodes); what is saved is the input or the returned
+    // output itself, whose version counter catches in-place edits before backward.
+    const bool nd = x.dim() != 2;
+    const auto rows = [&](const at::Tensor& t) { return nd ? t.view({-1, t.size(-1)}) : t; };
+    const std::optional<at::Tensor> residual2 = residual ? std::optional<at::Tensor>(rows(*residual)) : std::nullopt;
     auto [out, res_out, mean, rstd] =
-        fwd.call(x, weight, bias_k, residual, eps, is_rms, out_dtype, residual_in_fp32, true);
+        fwd.call(rows(x), weight, bias_k, residual2, eps, is_rms, out_dtype, residual_in_fp32, true);
+    if (nd) {
+      out = reshaped_output(out, x.sizes());
+      if (residual) res_out = reshaped_output(res_out, x.sizes());
+    }
     ctx->save_for_backward({residual ? res_out : x, weight ? *weight : at::Tensor(), mean, rstd});
     ctx->set_materialize_grads(false);
     ctx->saved_data["is_rms"] = is_rms;
@@ -430,10 +448,17 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     const bool want_dw = needs("weight_edge");
     const bool want_db = needs("bias_edge");
     static const auto bwd = typed_op<NormBwdFn>("ampkernels::norm_bwd_cuda");
+    const bool nd = x.dim() != 2;
+    const int64_t n = x.size(-1);
+    const auto rows = [&](const at::Tensor& t) { return nd ? t.contiguous().view({-1, n}) : t.contiguous(); };
     auto [dx, dres, dw, db] = bwd.call(
-        dout.contiguous(), x, weight, saved[2], saved[3],
-        dres_out.defined() ? std::optional<at::Tensor>(dres_out.contiguous()) : std::nullopt, is_rms, want_dw,
+        rows(dout), rows(x), weight, saved[2], saved[3],
+        dres_out.defined() ? std::optional<at::Tensor>(rows(dres_out)) : std::nullopt, is_rms, want_dw,
         want_db, x_dtype, residual_dtype, param_dtype);
+    if (nd) {
+      dx = dx.view(x.sizes());
+      if (dres.numel() != 0) dres = dres.view(x.sizes());
+    }
     at::Tensor grad_res;
     if (needs("residual_edge")) grad_res = *residual_dtype != x_dtype ? dres : dx;
     return {ctx->needs_input_grad(0) ? dx : at::Tensor(), want_dw ? dw : at::Tensor(),
@@ -733,7 +758,15 @@ struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
     const auto act = to_activation(activation, "linear_act_train_cuda");
     const bool saves_hidden = act != Activation::kIdentity;
     const bool store_pre = saves_hidden && act != Activation::kReLU;  // ReLU's derivative reads its output
-    auto [y, pre] = fwd.call(x, w, b, activation, store_pre, true);
+    // x of any rank >= 1, contiguous: the kernels see (M, K) rows (a view below autograd, no
+    // node); the saved x and y are the input and the returned output themselves (version-checked)
+    const bool nd = x.dim() != 2;
+    auto [y, pre] = fwd.call(nd ? x.view({-1, x.size(-1)}) : x, w, b, activation, store_pre, true);
+    if (nd) {
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+      shape.back() = w.size(0);
+      y = reshaped_output(y, shape);
+    }
     ctx->save_for_backward({x, w, store_pre ? pre : saves_hidden ? y : at::Tensor()});
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["grad_dtype"] = cast_to ? c10::IValue(weight.scalar_type()) : c10::IValue();
@@ -748,9 +781,13 @@ struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
     const at::Tensor& dy = grads[0];
     const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);
     const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);  // bias: edge 2
-    const at::Tensor s = saved[2].defined() ? saved[2] : at::empty({0}, dy.options());
-    auto [dx, dw, db] = bwd.call(dy.contiguous(), saved[0], saved[1], s, ctx->saved_data["activation"].toInt(),
-                                 need_dx, need_dw, need_db, true);
+    const at::Tensor& x = saved[0];
+    const bool nd = x.dim() != 2;
+    const auto rows = [&](const at::Tensor& t) { return nd ? t.contiguous().view({-1, t.size(-1)}) : t.contiguous(); };
+    const at::Tensor s = saved[2].defined() ? rows(saved[2]) : at::empty({0}, dy.options());
+    auto [dx, dw, db] = bwd.call(rows(dy), rows(x), saved[1], s, ctx->saved_data["activation"].toInt(), need_dx,
+                                 need_dw, need_db, true);
+    if (nd && need_dx) dx = dx.view(x.sizes());
     const auto& gd = ctx->saved_data["grad_dtype"];
     if (!gd.isNone()) {
       if (need_dw) dw = dw.to(gd.toScalarType());

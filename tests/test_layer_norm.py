@@ -716,15 +716,16 @@ def test_unsupported_inputs_fall_back_to_the_reference(monkeypatch):
 
 def test_auto_preference_per_pass():
     x = torch.empty(1).expand(ln._HOST_BOUND_ELEMENTS)  # the size counts, not the values
-    assert ln._preference(x, 768, "fwd") == ln._preference(x, 16384, "fwd") == ("triton", "cuda")
-    assert ln._preference(x, 768, "bwd") == ln._preference(x, 16384, "bwd") == ("cuda", "triton")
+    assert ln._preferences(x, None, False) == ln._preferences(x, torch.float32, False) == \
+        (("triton", "cuda"), ("cuda", "triton"))
     # the AMP case, 16-bit x with fp32 params: the CUDA forward
     xh = torch.empty(1, dtype=torch.float16).expand(ln._HOST_BOUND_ELEMENTS)
-    assert ln._preference(xh, 4096, "fwd", torch.float32) == ("cuda", "triton")
-    assert ln._preference(xh, 4096, "fwd", torch.float16) == ("triton", "cuda")
+    assert ln._preferences(xh, torch.float32, False) == (("cuda", "triton"), ("cuda", "triton"))
+    assert ln._preferences(xh, torch.float16, False) == (("triton", "cuda"), ("cuda", "triton"))
     # smaller: host-bound, the extension's cheaper launch first in both passes
-    small = randn(2, 8)
-    assert ln._preference(small, 768, "fwd") == ln._preference(small, 16384, "bwd") == ("cuda", "triton")
+    assert ln._preferences(randn(2, 8), None, False) == (("cuda", "triton"), ("cuda", "triton"))
+    # under torch.compile: inductor gets the op, both passes
+    assert ln._preferences(x, None, True) == (("torch",), ("torch",))
 
 
 @needs_triton
@@ -749,7 +750,7 @@ def test_forward_and_backward_backends_can_differ(is_rms):
 
 def test_auto_on_cpu_runs_torch():
     x, w, b = _inputs(4, 16, torch.float32, "cpu")
-    assert backends.select("layer_norm", None, x.device, ln._preference(x, 16, "fwd")) == "torch"
+    assert backends.select("layer_norm", None, x.device, ln._preferences(x, None, False)[0]) == "torch"
 
 
 @pytest.mark.parametrize("is_rms", [False, True])
@@ -1153,23 +1154,26 @@ def _grads_of(outs, leaves, seed):
 @pytest.mark.parametrize("xdt,pdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                      (torch.float16, torch.float16), (torch.bfloat16, None)])
 @pytest.mark.parametrize("res", [None, "same", "fp32"])
-def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, is_rms, xdt, pdt, res):
+@pytest.mark.parametrize("lead", [(5,), (2, 3), ()])
+def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, is_rms, xdt, pdt, res, lead):
+    # x of any rank goes to the C++ op as it is (the rows are viewed below autograd)
     n = 48
     for out_dtype, bias_dt, grad_of in ((None, pdt, "all"), (torch.bfloat16, torch.float32, "x"),
                                         (None, pdt, "residual_out")):
-        x = randn(5, n, dtype=xdt).requires_grad_(grad_of != "none")
+        x = randn(*lead, n, dtype=xdt).requires_grad_(grad_of != "none")
         w = None if pdt is None else randn(n, dtype=pdt, scale=0.5, offset=1.0).requires_grad_(grad_of == "all")
         b = None if is_rms or bias_dt is None else randn(n, dtype=bias_dt).requires_grad_(grad_of == "all")
         if w is not None and b is not None and b.dtype != w.dtype and pdt != torch.float32:
             b = b.to(w.dtype).detach().requires_grad_(grad_of == "all")
-        r = None if res is None else randn(5, n, dtype=torch.float32 if res == "fp32" else xdt).requires_grad_()
+        r = None if res is None else randn(*lead, n, dtype=torch.float32 if res == "fp32" else xdt).requires_grad_()
         kw = dict(residual=r, residual_in_fp32=res == "fp32", out_dtype=out_dtype)
         leaves = (x, w, b, r)
         got = _norm(is_rms, x, n, w, b, 1e-5, backend="cuda", **kw)  # the C++ Function
-        want = ln.NormFunction.apply(x, w, None if is_rms else b, r, 1e-5, is_rms, out_dtype, res == "fp32",
-                                     "torch", "torch")
+        want = ln.NormFunction.apply(x.reshape(-1, n), w, None if is_rms else b, None if r is None else r.reshape(-1, n),
+                                     1e-5, is_rms, out_dtype, res == "fp32", "torch", "torch")
         got, want = (t if isinstance(t, tuple) else (t,) for t in (got, want))
-        assert "NormTrain" in got[0].grad_fn.name()
+        want = tuple(t.reshape(x.shape) for t in want)
+        assert "NormTrain" in got[0].grad_fn.name() and all(t.shape == x.shape for t in got)
         assert all(torch.equal(a, e) and a.dtype == e.dtype for a, e in zip(got, want))
         used = got[1:] if grad_of == "residual_out" and r is not None else got
         want_used = want[1:] if grad_of == "residual_out" and r is not None else want
@@ -1177,3 +1181,17 @@ def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, is_rms,
             assert (a is None) == (e is None)
             if a is not None:
                 assert a.dtype == e.dtype and torch.equal(a, e)
+
+
+def test_cpp_autograd_of_nd_x_keeps_inplace_checks(reference_as_cuda_kernels):
+    # as linear_act's: the outputs are no views, and the saved residual sum is the returned tensor,
+    # version-checked in backward
+    x = randn(2, 3, 48, dtype=torch.bfloat16).requires_grad_()
+    r = randn(2, 3, 48, dtype=torch.bfloat16).requires_grad_()
+    w = randn(48, dtype=torch.float32, offset=1.0).requires_grad_()
+    out, s = layer_norm(x, 48, w, residual=r, backend="cuda")
+    assert "NormTrain" in out.grad_fn.name() and out._base is None and s._base is None
+    out.mul_(2)  # outputs may be edited in place (no views)
+    s.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.float().sum() + s.float().sum()).backward()

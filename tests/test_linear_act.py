@@ -1013,22 +1013,38 @@ def reference_as_cuda_kernels(monkeypatch):
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, bias):
+@pytest.mark.parametrize("lead", [(7,), (2, 3), ()])
+def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, bias, lead):
+    # x of any rank goes to the C++ op as it is (the rows are viewed below autograd)
     k, n = 24, 40
     for grads_of in ("all", "x", "weight"):
         pdt = torch.float32 if master else torch.bfloat16
-        x = randn(7, k, dtype=torch.bfloat16 if not master else torch.float32).requires_grad_(grads_of != "weight")
+        x = randn(*lead, k, dtype=torch.bfloat16 if not master else torch.float32).requires_grad_(grads_of != "weight")
         w = randn(n, k, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x")
         b = randn(n, dtype=pdt).requires_grad_(grads_of == "all") if bias else None
         leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
-        g = randn(7, n, dtype=torch.bfloat16)
+        g = randn(*lead, n, dtype=torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=master):
             y = la.linear_act(x, w, b, activation)  # "cuda" (patched): the C++ Function unless excluded
             x2, cast_to = autocast_dtypes("linear_act", x, (w, b), ("weight", "bias"))
-            want = la.LinearActFunction.apply(x2, w, b, activation, "cuda", False, cast_to)
+            want = la.LinearActFunction.apply(x2.reshape(-1, k), w, b, activation, "cuda", False, cast_to)
+            want = want.reshape(*lead, n)
         assert ("LinearActTrain" in y.grad_fn.name()) == (not master or activation != "identity")
+        assert y.shape == (*lead, n)
         assert y.dtype == want.dtype and torch.equal(y, want)
         got_g = torch.autograd.grad(y, leaves, g)
         want_g = torch.autograd.grad(want, leaves, g)
         for a, e in zip(got_g, want_g):
             assert a.dtype == e.dtype and torch.equal(a, e)
+
+
+def test_cpp_autograd_of_nd_x_keeps_inplace_checks(reference_as_cuda_kernels):
+    # the rows are viewed below autograd, and the saved ReLU output is the returned tensor itself:
+    # editing it in place is allowed (it is no view in autograd's eyes) and caught by backward
+    x = randn(2, 3, 24, dtype=torch.bfloat16).requires_grad_()
+    w = randn(40, 24, dtype=torch.bfloat16).requires_grad_()
+    y = la.linear_act(x, w, None, "relu")
+    assert "LinearActTrain" in y.grad_fn.name() and y._base is None
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -21,10 +21,13 @@ from ..ops.mlp import fused_mlp
 
 
 def _resolve_out_dtype(out_dtype, x):
+    if out_dtype is None:
+        return None
     if out_dtype == "autocast":
-        on = torch.is_autocast_enabled(x.device.type)
-        return torch.get_autocast_dtype(x.device.type) if on and x.is_floating_point() else None
-    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        device = x.device.type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) and x.is_floating_point() \
+            else None
+    if not isinstance(out_dtype, torch.dtype):
         raise ValueError(f"out_dtype must be None, a torch.dtype or 'autocast', got {out_dtype!r}")
     return out_dtype
 

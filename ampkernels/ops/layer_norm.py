@@ -170,10 +170,11 @@ class NormFunction(torch.autograd.Function):
 
 
 _HOST_BOUND_ELEMENTS = 1 << 25
+_TORCH, _CUDA_FIRST, _TRITON_FIRST = ("torch",), ("cuda", "triton"), ("triton", "cuda")
 
 
-def _preference(x, n, pas="fwd", param_dtype=None):
-    """Backends "auto" tries for one pass ("fwd" or "bwd"), fastest first.
+def _preferences(x, param_dtype, compiling):
+    """(forward, backward): the backends "auto" tries for each pass, fastest first.
 
     Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
     the forward on one and the backward on the other. From the H200 norm benchmark
@@ -187,14 +188,12 @@ def _preference(x, n, pas="fwd", param_dtype=None):
       Triton's Python launcher costs the host;
     - under torch.compile: "torch", which hands the op to inductor (_traced_norm): as opaque
       custom ops our kernels lost whole compiled training steps to it.
-    n is the row length; kept in the signature for per-N rules (none today).
     """
-    if torch.compiler.is_compiling():
-        return ("torch",)
-    amp_params = param_dtype == torch.float32 and x.dtype != torch.float32
-    if x.numel() < _HOST_BOUND_ELEMENTS or pas == "bwd" or amp_params:
-        return ("cuda", "triton")
-    return ("triton", "cuda")
+    if compiling:
+        return _TORCH, _TORCH
+    if x.numel() < _HOST_BOUND_ELEMENTS or (param_dtype == torch.float32 and x.dtype != torch.float32):
+        return _CUDA_FIRST, _CUDA_FIRST
+    return _TRITON_FIRST, _CUDA_FIRST
 
 
 def _traced_norm(x, shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms):
@@ -216,82 +215,103 @@ def _traced_norm(x, shape, weight, bias, eps, residual, residual_in_fp32, out_dt
     return out, s.to(torch.float32 if residual_in_fp32 and ct == torch.float32 else x.dtype)
 
 
+def _check_param(op, name, p, shape, device):
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{op}: {name} must be a Tensor or None, got {type(p).__name__}")
+    if p.shape != shape:
+        raise ValueError(f"{op}: {name} must have shape {shape} (normalized_shape), got {tuple(p.shape)}")
+    if p.device != device:
+        raise ValueError(f"{op}: {name} is on {p.device} but x is on {device}")
+
+
+def _unsupported(x, n, out_dtype, residual, weight, bias):
+    """Why the kernels cannot take this call (the torch reference then runs), or None."""
+    if x.dtype not in _DTYPES:
+        return f"x dtype {x.dtype} is not one of {_DTYPES}"
+    if n == 0:
+        return "normalized_shape has no elements"
+    if out_dtype is not None and out_dtype not in _DTYPES:
+        return f"out_dtype {out_dtype} is not one of {_DTYPES}"
+    if residual is not None and residual.dtype not in _DTYPES:
+        return f"residual dtype {residual.dtype} is not one of {_DTYPES}"
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.dtype not in (x.dtype, torch.float32):
+            return f"{name} dtype {p.dtype} is neither x's ({x.dtype}) nor float32"
+    return None
+
+
 def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, backend, is_rms):
+    # Runs once per norm per step, on the host's critical path: straight-line checks, no closures
+    # or generators, each torch query asked once.
     op = "rms_norm" if is_rms else "layer_norm"
     if not isinstance(x, Tensor):
         raise TypeError(f"{op}: x must be a Tensor, got {type(x).__name__}")
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if len(shape) == 0 or len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape):]) != shape:
+    nd = len(shape)
+    if nd == 0 or nd > x.dim() or x.shape[x.dim() - nd:] != shape:
         raise ValueError(f"{op}: normalized_shape {shape} does not match the last dims of x, shape {tuple(x.shape)}")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        if not isinstance(p, Tensor):
-            raise TypeError(f"{op}: {name} must be a Tensor or None, got {type(p).__name__}")
-        if tuple(p.shape) != shape:
-            raise ValueError(f"{op}: {name} must have shape {shape} (normalized_shape), got {tuple(p.shape)}")
-        if p.device != x.device:
-            raise ValueError(f"{op}: {name} is on {p.device} but x is on {x.device}")
+    device = x.device
+    if weight is not None:
+        _check_param(op, "weight", weight, shape, device)
+    if bias is not None:
+        _check_param(op, "bias", bias, shape, device)
     if residual is not None:
-        if not isinstance(residual, Tensor) or tuple(residual.shape) != tuple(x.shape):
+        if not isinstance(residual, Tensor) or residual.shape != x.shape:
             got = tuple(residual.shape) if isinstance(residual, Tensor) else type(residual).__name__
             raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)}, got {got}")
-        if residual.device != x.device:
-            raise ValueError(f"{op}: residual is on {residual.device} but x is on {x.device}")
+        if residual.device != device:
+            raise ValueError(f"{op}: residual is on {residual.device} but x is on {device}")
     if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
         raise ValueError(f"{op}: out_dtype must be a floating-point torch.dtype or None, got {out_dtype!r}")
     if not x.is_floating_point():
         raise TypeError(f"{op}: x must be a floating-point tensor, got {x.dtype}")
-    n = math.prod(shape)
+    n = shape[0] if nd == 1 else math.prod(shape)
 
-    unsupported = None
-    if x.dtype not in _DTYPES:
-        unsupported = f"x dtype {x.dtype} is not one of {_DTYPES}"
-    elif n == 0:
-        unsupported = "normalized_shape has no elements"
-    elif out_dtype is not None and out_dtype not in _DTYPES:
-        unsupported = f"out_dtype {out_dtype} is not one of {_DTYPES}"
-    elif residual is not None and residual.dtype not in _DTYPES:
-        unsupported = f"residual dtype {residual.dtype} is not one of {_DTYPES}"
-    else:
-        for name, p in (("weight", weight), ("bias", bias)):
-            if p is not None and p.dtype not in (x.dtype, torch.float32):
-                unsupported = f"{name} dtype {p.dtype} is neither x's ({x.dtype}) nor float32"
-    param_dtype = weight.dtype if weight is not None else None
-    fwd_pref, bwd_pref = _preference(x, n, "fwd", param_dtype), _preference(x, n, "bwd", param_dtype)
-    name = backends.select(op, backend, x.device, fwd_pref, unsupported)
-    bwd_name = name if bwd_pref == fwd_pref else backends.select(op, backend, x.device, bwd_pref, unsupported)
+    unsupported = _unsupported(x, n, out_dtype, residual, weight, bias)
+    compiling = torch.compiler.is_compiling()
+    fwd_pref, bwd_pref = _preferences(x, None if weight is None else weight.dtype, compiling)
+    name = backends.select(op, backend, device, fwd_pref, unsupported)
+    bwd_name = name if bwd_pref == fwd_pref else backends.select(op, backend, device, bwd_pref, unsupported)
 
-    if name == bwd_name == "torch" and torch.compiler.is_compiling():
+    if compiling and name == bwd_name == "torch":
         return _traced_norm(x, shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms)
 
-    # 2-D contiguous views of everything (strided views are copied, never read wrongly); the
-    # common cases skip the calls: this runs once per norm per step, on the host's critical path
-    as_rows = lambda t: t if t.dim() == 2 and t.shape[1] == n and t.is_contiguous() \
-        else t.reshape(-1, n).contiguous()  # noqa: E731
-    flat = lambda t: t if t is None or (t.dim() == 1 and t.is_contiguous()) else t.reshape(-1).contiguous()  # noqa: E731
-    x2 = as_rows(x)
-    res2 = None if residual is None else as_rows(residual)
-    w2, b2 = flat(weight), flat(bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x2, w2, b2, res2)):
+    w2 = weight if weight is None or (nd == 1 and weight.is_contiguous()) else weight.reshape(-1).contiguous()
+    b2 = bias if bias is None or (nd == 1 and bias.is_contiguous()) else bias.reshape(-1).contiguous()
+    eps, residual_in_fp32 = float(eps), bool(residual_in_fp32)
+    training = torch.is_grad_enabled() and (x.requires_grad or (w2 is not None and w2.requires_grad) or
+                                            (b2 is not None and b2.requires_grad) or
+                                            (residual is not None and residual.requires_grad))
+    if training and name == bwd_name == "cuda" and nd == 1 and x.is_contiguous() and \
+            (residual is None or residual.is_contiguous()) and eager_call(x, w2, b2, residual):
+        # autograd in C++ (csrc/ops.cpp), x of any rank: neither pass runs Python per call, and no
+        # reshape adds autograd nodes around it
+        out, res_out = torch.ops.ampkernels.norm_train_cuda.default(x, w2, b2, residual, eps, is_rms, out_dtype,
+                                                                    residual_in_fp32)
+        return out if residual is None else (out, res_out)
+
+    # 2-D contiguous views of everything (strided views are copied, never read wrongly)
+    x2 = x if x.dim() == 2 and nd == 1 and x.is_contiguous() else x.reshape(-1, n).contiguous()
+    res2 = residual
+    if residual is not None and not (residual.dim() == 2 and nd == 1 and residual.is_contiguous()):
+        res2 = residual.reshape(-1, n).contiguous()
+    if training:
         if name == bwd_name == "cuda" and eager_call(x2, w2, b2, res2):
-            # autograd in C++ (csrc/ops.cpp): neither pass runs Python per call
-            out, res_out = torch.ops.ampkernels.norm_train_cuda.default(x2, w2, b2, res2, float(eps), is_rms, out_dtype,
-                                                                        bool(residual_in_fp32))
+            # strided x: the C++ autograd on the contiguous copy
+            out, res_out = torch.ops.ampkernels.norm_train_cuda.default(x2, w2, b2, res2, eps, is_rms, out_dtype,
+                                                                        residual_in_fp32)
             result = out if res2 is None else (out, res_out)
         else:
-            result = NormFunction.apply(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32), name,
-                                        bwd_name)
+            result = NormFunction.apply(x2, w2, b2, res2, eps, is_rms, out_dtype, residual_in_fp32, name, bwd_name)
     else:  # inference: the forward alone, nothing saved (no mean/rstd written: 8 bytes a row)
         if b2 is not None and w2 is not None and b2.dtype != w2.dtype:
             b2 = b2.to(w2.dtype)
-        out, res_out, _, _ = _fwd_op()(x2, w2, b2, res2, float(eps), is_rms, out_dtype, bool(residual_in_fp32),
-                                       False, name)
+        out, res_out, _, _ = _fwd_op()(x2, w2, b2, res2, eps, is_rms, out_dtype, residual_in_fp32, False, name)
         result = out if res2 is None else (out, res_out)
-    if residual is None:
-        return result if x2 is x else result.reshape(x.shape)
     if x2 is x:  # no reshape: a view would add an autograd node per call
         return result
+    if residual is None:
+        return result.reshape(x.shape)
     out, res_out = result
     return out.reshape(x.shape), res_out.reshape(x.shape)
 

@@ -24,6 +24,7 @@ the pre-activation (one GEMM) in backward. dbias is accumulated in fp32.
 Pieces, in the order data meets them: custom ops (forward, backward) with fake
 implementations -> autograd Function (custom_fwd/custom_bwd) -> "auto" table -> functional API.
 """
+import math
 from typing import Optional
 
 import torch
@@ -296,9 +297,10 @@ def _check_args(x, weight, bias):
                          f"(weight shape {tuple(weight.shape)}), got x shape {tuple(x.shape)}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"linear_act: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and not t.is_floating_point():
-            raise TypeError(f"linear_act: {name} must be a floating-point tensor, got {t.dtype}")
+    if not (x.is_floating_point() and weight.is_floating_point() and (bias is None or bias.is_floating_point())):
+        name, t = next((n, t) for n, t in (("x", x), ("weight", weight), ("bias", bias))
+                       if t is not None and not t.is_floating_point())
+        raise TypeError(f"linear_act: {name} must be a floating-point tensor, got {t.dtype}")
     dev = x.device
     if weight.device != dev:
         raise ValueError(f"linear_act: weight is on {weight.device} but x is on {dev}")
@@ -321,24 +323,27 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     device = x.device
     x, cast_to = autocast_dtypes("linear_act", x, (weight, bias), ("weight", "bias"))
     k, n = x.shape[-1], weight.shape[0]
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    m = x2.shape[0]
+    m = x.shape[0] if x.dim() == 2 else x.numel() // k if k else math.prod(x.shape[:-1])
     unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
-    training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
+    training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                             (bias is not None and bias.requires_grad))
-    name = _choose(backend, device, x.dtype, activation, shape_bucket(m, n, k), training, unsupported,
-                   torch.compiler.is_compiling())
+    compiling = torch.compiler.is_compiling()
+    name = _choose(backend, device, x.dtype, activation, shape_bucket(m, n, k), training, unsupported, compiling)
     if recompute and torch.compiler.is_exporting():
         recompute = False  # a memory option of training; the exported graph gets F.linear + the activation
     if name != "torch" or recompute:  # the kernels take contiguous tensors; F.linear any strides
-        x2, weight = x2.contiguous(), weight.contiguous()
+        weight = weight.contiguous()
         bias = None if bias is None else bias.contiguous()
     if training and name == "cuda" and not recompute and (cast_to is None or activation != "identity") \
-            and eager_call(x2, weight, bias):
-        # autograd in C++ (csrc/ops.cpp): neither pass runs Python per call
-        y = torch.ops.ampkernels.linear_act_train_cuda.default(x2, weight, bias, reference.activation_id(activation),
-                                                            cast_to)
-    elif training and (name != "torch" or recompute):
+            and eager_call(x, weight, bias):
+        # autograd in C++ (csrc/ops.cpp), x of any rank: neither pass runs Python per call, and no
+        # reshape adds autograd nodes around it
+        return torch.ops.ampkernels.linear_act_train_cuda.default(x.contiguous(), weight, bias,
+                                                                  reference.activation_id(activation), cast_to)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if name != "torch" or recompute:
+        x2 = x2.contiguous()
+    if training and (name != "torch" or recompute):
         # the Function casts master weights itself, so that their gradients come back in their
         # own dtype straight from the GEMM
         y = LinearActFunction.apply(x2, weight, bias, activation, name, recompute, cast_to)

@@ -11,7 +11,12 @@ def eager_call(*tensors):
     The custom op is what tracing needs (torch.compile, export, fake and other subclass tensors);
     in plain eager mode its Python wrapper costs tens of microseconds per call, as much as a
     small GEMM takes on the GPU. Both routes run the same implementation."""
-    return not torch.compiler.is_compiling() and all(t is None or type(t) in _PLAIN for t in tensors)
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:  # a loop, not all(<generator>): this runs per call, on the host's critical path
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    return True
 
 
 def autocast_dtypes(op, x, params, names, what="x, weight and bias"):
@@ -19,9 +24,15 @@ def autocast_dtypes(op, x, params, names, what="x, weight and bias"):
     dtype, and cast_to is that dtype when a parameter differs from it (fp32 master weights, cast
     inside the op's Function); without autocast x and the parameters must share a dtype
     (TypeError naming each). Returns (x, cast_to)."""
-    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-        return x, (x.dtype if any(t is not None and t.dtype != x.dtype for t in params) else None)
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        dtype = torch.get_autocast_dtype(device)
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        for t in params:
+            if t is not None and t.dtype != x.dtype:
+                return x, x.dtype
+        return x, None
     if any(t is not None and t.dtype != x.dtype for t in params):
         got = ", ".join(f"{n} {None if t is None else t.dtype}" for n, t in zip(("x", *names), (x, *params)))
         raise TypeError(f"{op}: {what} must share a dtype (as for F.linear), got {got}")
