@@ -885,8 +885,15 @@ struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
       wdc = wd.to(*cast_to);
       bdc = cast(bd);
     }
-    auto [h, gu] = fwd.call(x, wgc, wuc, bgc, buc, activation, true);
+    // x of any rank, contiguous: the kernels see (M, K) rows (as linear_act_train_cuda)
+    const bool nd = x.dim() != 2;
+    auto [h, gu] = fwd.call(nd ? x.view({-1, x.size(-1)}) : x, wgc, wuc, bgc, buc, activation, true);
     at::Tensor out = at::linear(h, wdc, bdc);
+    if (nd) {
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+      shape.back() = wd.size(0);
+      out = reshaped_output(out, shape);
+    }
     ctx->save_for_backward({x, wgc, wuc, wdc, gu});
     ctx->saved_data["activation"] = activation;
     // needs_input_grad counts the tensor inputs only (an absent bias has no edge)
@@ -903,7 +910,8 @@ struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
     static const auto act_fwd = typed_op<GatedActFn>("ampkernels::gated_act_fwd_cuda");
     static const auto act_bwd = typed_op<GatedActBwdFn>("ampkernels::gated_act_bwd_cuda");
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &wg = saved[1], &wu = saved[2], &wd = saved[3];
+    const at::Tensor &x_in = saved[0], &wg = saved[1], &wu = saved[2], &wd = saved[3];
+    const at::Tensor x = x_in.dim() != 2 ? x_in.view({-1, x_in.size(-1)}) : x_in;
     at::Tensor gu = saved[4];
     const int64_t activation = ctx->saved_data["activation"].toInt();
     const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
@@ -916,7 +924,7 @@ struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
     const auto wg_dt = want(0, 1), wu_dt = want(1, 2), bg_dt = want(2, edge("bg_edge")),
                bu_dt = want(3, edge("bu_edge")), wd_dt = want(4, edge("wd_edge")), bd_dt = want(5, edge("bd_edge"));
     const bool need_dx = ctx->needs_input_grad(0);
-    const at::Tensor dout = grads[0].contiguous();
+    const at::Tensor dout = grads[0].contiguous().view({-1, grads[0].size(-1)});
     at::Tensor dwd, dbd;
     {  // down projection: dWd from the recomputed h, freed before dh exists
       const at::Tensor h = act_fwd.call(gu, activation);
@@ -942,6 +950,7 @@ struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
     at::Tensor dwu = wu_dt ? weight_grad(du, x, *wu_dt) : at::Tensor();
     at::Tensor dbg = bg_dt ? db32.narrow(0, 0, hidden).to(*bg_dt, false, true) : at::Tensor();
     at::Tensor dbu = bu_dt ? db32.narrow(0, hidden, hidden).to(*bu_dt, false, true) : at::Tensor();
+    if (dx.defined() && x_in.dim() != 2) dx = dx.view(x_in.sizes());
     return {dx, dwg, dwu, dbg, dbu, dwd, dbd, at::Tensor(), at::Tensor()};
   }
 };

@@ -367,23 +367,26 @@ def _or_empty(db, like):
 @pytest.mark.parametrize("activation", gla.ACTIVATIONS)
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("biases", [(True, True, True), (False, False, False), (False, True, True)])
-def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, biases):
+@pytest.mark.parametrize("lead", [(7,), (2, 3)])
+def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, biases, lead):
+    # x of any rank goes to the C++ op as it is (the rows are viewed below autograd)
     k, hidden, n = 24, 20, 16
     pdt = torch.float32 if master else torch.bfloat16
     for grads_of in ("all", "x", "weights"):
-        x = randn(7, k, dtype=torch.float32 if master else torch.bfloat16).requires_grad_(grads_of != "weights")
+        x = randn(*lead, k, dtype=torch.float32 if master else torch.bfloat16).requires_grad_(grads_of != "weights")
         wg, wu = (randn(hidden, k, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x") for _ in range(2))
         wd = randn(n, hidden, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x")
         bg, bu, bd = (randn(d, dtype=pdt).requires_grad_(grads_of == "all") if on else None
                       for on, d in zip(biases, (hidden, hidden, n)))
         params = (wg, wu, bg, bu, wd, bd)
         leaves = [t for t in (x, *params) if t is not None and t.requires_grad]
-        g = randn(7, n, dtype=torch.bfloat16)
+        g = randn(*lead, n, dtype=torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=master):
             out = gla.gated_mlp(x, *params, activation)  # "cuda" (patched): the C++ Function
             x2, cast_to = autocast_dtypes("gated_mlp", x, params, ("w",) * 6)
-            want = gla.GatedMLPFunction.apply(x2, *params, activation, "cuda", cast_to)
-        assert "GatedMLPTrain" in out.grad_fn.name()
+            want = gla.GatedMLPFunction.apply(x2.reshape(-1, k), *params, activation, "cuda", cast_to)
+            want = want.reshape(*lead, n)
+        assert "GatedMLPTrain" in out.grad_fn.name() and out._base is None and out.shape == (*lead, n)
         assert out.dtype == want.dtype and torch.equal(out, want)
         if grads_of == "all":  # a kept graph: the first backward leaves gu as it was for the second
             kept = torch.autograd.grad(out, leaves, g, retain_graph=True)

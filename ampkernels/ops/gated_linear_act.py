@@ -267,8 +267,9 @@ def _check_args(x, wg, wu, bg, bu):
 
 
 def _prepare(op, x, params, activation, backend, recompute):
-    """The shared preamble of the functional APIs: (x2, params, cast_to, backend name, training).
-    params: (wg, wu, bg, bu[, more]); made contiguous when a kernel (or recompute) takes them."""
+    """The shared preamble of the functional APIs: (x, x2, params, cast_to, backend name, training):
+    x in the compute dtype, x2 its 2-D rows. params: (wg, wu, bg, bu[, more]); made contiguous
+    when a kernel (or recompute) takes them."""
     device = x.device
     x, cast_to = autocast_dtypes(op, x, params, _NAMES[1:] + ("down_weight", "down_bias"),
                                  "x, the weights and the biases")
@@ -281,7 +282,7 @@ def _prepare(op, x, params, activation, backend, recompute):
     if name != "torch" or recompute:  # the kernels' layout; a chunk of a packed weight stays a view
         x2 = x2.contiguous()
         params = tuple(None if t is None else t.contiguous() for t in params)
-    return x2, params, cast_to, name, training
+    return x, x2, params, cast_to, name, training
 
 
 def gated_linear_act(x, gate_weight, up_weight, gate_bias=None, up_bias=None, activation="silu", *, backend=None,
@@ -299,7 +300,7 @@ def gated_linear_act(x, gate_weight, up_weight, gate_bias=None, up_bias=None, ac
         raise ValueError(f"gated_linear_act: activation must be one of {ACTIVATIONS}, got {activation!r}")
     _check_args(x, gate_weight, up_weight, gate_bias, up_bias)
     hidden = gate_weight.shape[0]
-    x2, (wg, wu, bg, bu), cast_to, name, training = _prepare(
+    _, x2, (wg, wu, bg, bu), cast_to, name, training = _prepare(
         "gated_linear_act", x, (gate_weight, up_weight, gate_bias, up_bias), activation, backend, recompute)
     if training and (name != "torch" or recompute):
         h = GatedLinearActFunction.apply(x2, wg, wu, bg, bu, activation, name, recompute, cast_to)
@@ -384,14 +385,15 @@ def gated_mlp(x, gate_weight, up_weight, gate_bias, up_bias, down_weight, down_b
         h = gated_linear_act(x, gate_weight, up_weight, gate_bias, up_bias, activation, backend=backend)
         return F.linear(h, down_weight, down_bias)
     params = (gate_weight, up_weight, gate_bias, up_bias, down_weight, down_bias)
-    x2, params, cast_to, name, training = _prepare("gated_mlp", x, params, activation, backend, False)
+    xc, x2, params, cast_to, name, training = _prepare("gated_mlp", x, params, activation, backend, False)
     if name == "torch" or not training or not eager_call(x2, *params):
         h = gated_linear_act(x, gate_weight, up_weight, gate_bias, up_bias, activation, backend=backend)
         return F.linear(h, down_weight, down_bias)
-    if name == "cuda":  # autograd in C++ (csrc/ops.cpp): neither pass runs Python per call
-        out = torch.ops.ampkernels.gated_mlp_train_cuda.default(x2, *params, reference.activation_id(activation),
-                                                                cast_to)
-    else:
-        out = GatedMLPFunction.apply(x2, *params, activation, name, cast_to)
+    if name == "cuda":
+        # autograd in C++ (csrc/ops.cpp), x of any rank: neither pass runs Python per call, and no
+        # reshape adds autograd nodes around it
+        return torch.ops.ampkernels.gated_mlp_train_cuda.default(xc.contiguous(), *params,
+                                                                 reference.activation_id(activation), cast_to)
+    out = GatedMLPFunction.apply(x2, *params, activation, name, cast_to)
     # no reshape of 2-D x: a view would add an autograd node per call
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], down_weight.shape[0])
