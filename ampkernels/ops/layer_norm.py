@@ -297,7 +297,7 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
         res2 = residual.reshape(-1, n).contiguous()
     if training:
         if name == bwd_name == "cuda" and eager_call(x2, w2, b2, res2):
-            # strided x: the C++ autograd on the contiguous copy
+            # strided x or a multi-dim normalized_shape: the C++ autograd on the 2-D rows
             out, res_out = torch.ops.ampkernels.norm_train_cuda.default(x2, w2, b2, res2, eps, is_rms, out_dtype,
                                                                         residual_in_fp32)
             result = out if res2 is None else (out, res_out)
