@@ -6,15 +6,21 @@ the e2e benchmark's models (ampkernels.bench.bench_e2e, built from configs), one
 Per model: the step time (CUDA events, median), the host's time to issue a step, the GPU kernel
 time per step, the kernels and the host-side operators (self CPU time: aten ops, launches,
 autograd nodes) whose time per step differs most between the two runs (torch.profiler, a few
-steps after warm-up), and the ampkernels custom ops called per step (under --compile "auto"
-should leave none but the fused loss in the graphs). A step time above its kernel time is
-host-bound. --out DIR also writes the report to DIR/profile-e2e.txt (scripts/gpu_run.sh GPU_CMD=).
+steps after warm-up), the ampkernels custom ops called per step (under --compile "auto"
+should leave none but the fused loss in the graphs), where the GPU sat idle in one step (summed
+by the kernel it waited for and the operator that launched it), and the Python functions whose
+own time per step differs most (cProfile; it inflates Python several-fold, so read the deltas,
+not the totals). A step time above its kernel time is host-bound. --out DIR also writes the
+report to DIR/profile-e2e.txt (scripts/gpu_run.sh GPU_CMD=).
 """
 import argparse
+import bisect
 import collections
 import contextlib
+import cProfile
 import io
 import os
+import pstats
 import statistics
 import time
 
@@ -24,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from ampkernels.bench import bench_e2e
 
 WARM, TIMED, PROFILED, TOP = 4, 10, 3, 18
+GAP_US = 20  # idle stretches shorter than this between two kernels are launch latency, not waiting
 
 
 def _stepper(work, convert, dtype, compiled):
@@ -49,8 +56,11 @@ def _measure(step):
         times.append(a.elapsed_time(b))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILED):
-            step()
-        torch.cuda.synchronize()
+            with torch.profiler.record_function(_STEP):
+                step()
+            torch.cuda.synchronize()
+    gaps = _step_gaps(prof)
+    py, py_n = python_time(step, TIMED)
     gpu, gpu_n, cpu, cpu_n = (collections.Counter() for _ in range(4))
     for e in prof.key_averages():
         if e.device_type.name == "CUDA":
@@ -59,7 +69,79 @@ def _measure(step):
         elif e.device_type.name == "CPU":
             cpu[e.key] += e.self_cpu_time_total / PROFILED / 1e3
             cpu_n[e.key] += e.count // PROFILED
-    return statistics.median(times), statistics.median(host), gpu, gpu_n, cpu, cpu_n
+    return statistics.median(times), statistics.median(host), gpu, gpu_n, cpu, cpu_n, gaps, py, py_n
+
+
+_STEP = "profile_e2e.step"
+
+
+def enclosing_op(ops, starts, t):
+    """The operator a launch at time t ran in: the innermost enclosing op that is not an aten op (an
+    autograd node, a custom op, the optimizer), else the innermost. ops: [(name, start, dur)]
+    sorted by start; starts: their starts."""
+    i = bisect.bisect_right(starts, t) - 1
+    innermost = None
+    for j in range(i, max(-1, i - 400), -1):
+        name, start, dur = ops[j]
+        if start <= t <= start + dur:
+            innermost = innermost or name
+            if not name.startswith("aten::"):
+                return name
+    return innermost or "?"
+
+
+def idle_gaps(kernels, launch_at, ops):
+    """GPU idle time between consecutive kernels, {(kernel waited for, op that launched it): [ms, count]}.
+    kernels: [(name, start_ns, dur_ns, correlation)] of one step, sorted by start; launch_at:
+    {correlation: host time of the launch call}; ops: host operators [(name, start_ns, dur_ns)]."""
+    ops = sorted(ops, key=lambda o: o[1])
+    starts = [o[1] for o in ops]
+    out = collections.defaultdict(lambda: [0.0, 0])
+    for a, b in zip(kernels, kernels[1:]):
+        gap_us = (b[1] - (a[1] + a[2])) / 1e3
+        if gap_us > GAP_US:
+            t = launch_at.get(b[3])
+            key = (b[0], "?" if t is None else enclosing_op(ops, starts, t))
+            out[key][0] += gap_us / 1e3
+            out[key][1] += 1
+    return out
+
+
+def _step_gaps(prof):
+    """idle_gaps of the last profiled step, from the profiler's raw events."""
+    events = prof.profiler.kineto_results.events()
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    steps = [e for e in events if e.device_type() == cpu and e.name() == _STEP]
+    last = max(steps, key=lambda e: e.start_ns())
+    lo, hi = last.start_ns(), last.start_ns() + last.duration_ns()
+    kernels = sorted(((e.name(), e.start_ns(), e.duration_ns(), e.correlation_id()) for e in events
+                      if e.device_type() == cuda and e.duration_ns() > 0 and e.name() != _STEP
+                      and not e.name().startswith(("Memcpy", "Memset")) and e.start_ns() >= lo), key=lambda k: k[1])
+    launch_at, ops = {}, []
+    for e in events:
+        if e.device_type() != cpu or not lo <= e.start_ns() <= hi or e.name() == _STEP:
+            continue
+        if e.name().startswith("cu"):  # the runtime's launch calls: cudaLaunchKernel, cuLaunchKernelEx, ...
+            launch_at[e.correlation_id()] = e.start_ns()
+        else:
+            ops.append((e.name(), e.start_ns(), e.duration_ns()))
+    return idle_gaps(kernels, launch_at, ops)
+
+
+def python_time(step, steps):
+    """({function: own ms per step}, {function: calls per step}) of `steps` steps under cProfile."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+        torch.cuda.synchronize()
+    prof.disable()
+    ms, calls = collections.Counter(), collections.Counter()
+    for (path, line, func), (_, ncalls, tottime, _, _) in pstats.Stats(prof).stats.items():
+        key = f"{path.split('site-packages/')[-1]}:{line}({func})"
+        ms[key] += tottime / steps * 1e3
+        calls[key] += ncalls // steps
+    return ms, calls
 
 
 def _deltas(what, base, conv, base_n, conv_n):
@@ -79,6 +161,12 @@ def profile_model(name, dtype, size, compiled):
     print("  ampkernels ops per converted step: " + (", ".join(f"{k} x{n}" for k, n in sorted(ours.items())) or "none"))
     _deltas("GPU kernels", base[2], conv[2], base[3], conv[3])
     _deltas("host (self CPU time under the profiler)", base[4], conv[4], base[5], conv[5])
+    for label, (_, _, _, _, _, _, gaps, _, _) in (("unconverted", base), ("converted", conv)):
+        print(f"  GPU idle in one {label} step: {sum(g[0] for g in gaps.values()):.2f} ms, by the kernel it waited "
+              f"for and the op that launched it")
+        for (kernel, op), (ms, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:TOP // 2]:
+            print(f"  {ms:7.3f} ms x{n:<4d} before {kernel[:50]} | launched in {op[:60]}")
+    _deltas("Python (own time under cProfile)", base[7], conv[7], base[8], conv[8])
 
 
 def main():
