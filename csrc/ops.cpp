@@ -970,5 +970,99 @@ TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
   m.impl("gated_mlp_train_cuda", &gated_mlp_train);
 }
 
+// ---------------------------------------------------------------- fused MLP training op, autograd in C++
+
+// fused_mlp_train_cuda = ampkernels/ops/mlp.py's FusedMLPFunction on the cuda backend with its
+// autograd here (no Python per call in either pass): the same kernels in the same order and the
+// same memory contract. Saved: x, w1 as given (under autocast the fp32 parameter, cast again in
+// backward), w2's cast and the pre-activation; h is recomputed in backward from pre, and pre and
+// w2's cast are freed once read when the graph is not kept. x of any rank, contiguous.
+using BiasActFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                                                        bool);
+using ActBwdInplaceFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
+
+struct FusedMLPTrain : public torch::autograd::Function<FusedMLPTrain> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
+                            const std::optional<at::Tensor>& b1, const at::Tensor& w2,
+                            const std::optional<at::Tensor>& b2, int64_t activation,
+                            std::optional<at::ScalarType> cast_to) {
+    static const auto fwd = typed_op<LinearFwdFn>("ampkernels::linear_act_fwd_cuda");
+    const auto cast = [&](const at::Tensor& t) { return cast_to ? t.to(*cast_to) : t; };
+    const auto cast_opt = [&](const std::optional<at::Tensor>& t) {
+      return t ? std::optional<at::Tensor>(cast(*t)) : std::nullopt;
+    };
+    const at::Tensor w2c = cast(w2);
+    const std::optional<at::Tensor> b1c = cast_opt(b1), b2c = cast_opt(b2);
+    const bool nd = x.dim() != 2;
+    at::Tensor out, pre;
+    {  // h lives only for the second GEMM
+      auto [h, p] = fwd.call(nd ? x.view({-1, x.size(-1)}) : x, cast(w1), b1c, activation, true, true);
+      out = at::linear(h, w2c, b2c);
+      pre = p;
+    }
+    if (nd) {
+      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+      shape.back() = w2.size(0);
+      out = reshaped_output(out, shape);
+    }
+    ctx->save_for_backward({x, w1, w2c, pre});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["w2_is_own_cast"] = !w2c.is_same(w2);
+    ctx->saved_data["b1_dtype"] = b1c ? c10::IValue(b1c->scalar_type()) : c10::IValue();
+    ctx->saved_data["b2_dtype"] = b2c ? c10::IValue(b2c->scalar_type()) : c10::IValue();
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    static const auto bias_act = typed_op<BiasActFwdFn>("ampkernels::bias_act_fwd_cuda");
+    static const auto lin_bwd = typed_op<LinearBwdFn>("ampkernels::linear_act_bwd_cuda");
+    static const auto act_bwd = typed_op<ActBwdInplaceFn>("ampkernels::act_backward_cuda_");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x_in = saved[0], &w1 = saved[1], &w2 = saved[2], &pre = saved[3];
+    const at::Tensor x = x_in.dim() != 2 ? x_in.view({-1, x_in.size(-1)}) : x_in;
+    const int64_t activation = ctx->saved_data["activation"].toInt();
+    const bool need_db1 = !ctx->saved_data["b1_dtype"].isNone(), need_db2 = !ctx->saved_data["b2_dtype"].isNone();
+    const at::Tensor dout = grads[0].contiguous().view({-1, grads[0].size(-1)});
+    at::Tensor dw2, db2;
+    {  // 1. layer 2's gradients from the recomputed h, freed before dh exists
+      const at::Tensor h = std::get<0>(bias_act.call(pre, std::nullopt, activation, false));
+      auto [unused, dw, db] = lin_bwd.call(dout, h, w2, at::empty({0}, dout.options()),
+                                           int64_t(Activation::kIdentity), false, true, need_db2, true);
+      dw2 = dw;
+      db2 = db;
+    }
+    // 2. dh = dout W2, act'(pre) applied to it in place (dh is this backward's own temporary)
+    const bool release = dies_with_this_backward(pre);
+    const bool release_w2 =
+        release && ctx->saved_data["w2_is_own_cast"].toBool() && dies_with_this_backward(w2);
+    at::Tensor dh = dout.mm(w2);
+    const at::Tensor db1_32 = act_bwd.call(dh, pre, activation, need_db1);
+    if (release) pre.storage().unsafeGetStorageImpl()->reset();  // stream-ordered frees
+    if (release_w2) w2.storage().unsafeGetStorageImpl()->reset();
+    // 3. layer 1: dx first, so that w1's cast is gone before dw1 exists
+    at::Tensor dx = dh.mm(w1.to(x.scalar_type()));
+    const at::Tensor dw1 = weight_grad(dh, x, w1.scalar_type());
+    dh.reset();
+    if (x_in.dim() != 2) dx = dx.view(x_in.sizes());
+    return {dx, dw1, need_db1 ? db1_32.to(x.scalar_type()) : at::Tensor(), dw2, need_db2 ? db2 : at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor fused_mlp_train(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+                           const at::Tensor& w2, const std::optional<at::Tensor>& b2, int64_t activation,
+                           std::optional<at::ScalarType> cast_to) {
+  return FusedMLPTrain::apply(x, w1, b1, w2, b2, activation, cast_to);
+}
+
+TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
+  m.def("fused_mlp_train_cuda(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, int activation, "
+        "ScalarType? cast_to) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
+  m.impl("fused_mlp_train_cuda", &fused_mlp_train);
+}
+
 }  // namespace
 }  // namespace ampk

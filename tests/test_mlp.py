@@ -308,3 +308,63 @@ def test_autocast_fp32_params_gpu(backend):
         assert_rel_close(ours.grad, theirs.grad, torch.bfloat16, factor=4, what=name)
     for before, t in zip(params_before, (w1, b1, w2, b2)):
         assert torch.equal(before, t.detach())
+
+
+# ---------------------------------------------------------------- the C++ autograd of the cuda backend
+
+@pytest.fixture
+def reference_as_cuda_kernels(monkeypatch):
+    """The kernels fused_mlp_train_cuda reaches run the torch path on CPU: its C++ autograd checked
+    there against FusedMLPFunction on the torch backend, which runs the same implementations."""
+    from ampkernels.ops import bias_act, linear_act as la
+    from tests.utils import cuda_kernels_on_cpu
+    name = reference.ACTIVATIONS.__getitem__
+    yield from cuda_kernels_on_cpu(monkeypatch, {
+        "linear_act_fwd_cuda": lambda x, w, b, act, store_pre, fuse: la.fwd_impl(x, w, b, name(act), store_pre, "torch"),
+        "linear_act_bwd_cuda": lambda dy, x, w, saved, act, need_dx, need_dw, need_db, fuse:
+            la.bwd_impl(dy, x, w, saved, name(act), need_dx, need_dw, need_db, "torch"),
+        "bias_act_fwd_cuda": lambda z, bias, act, store_pre: bias_act.fwd_impl(z, bias, name(act), store_pre, "torch"),
+        "act_backward_cuda_": lambda dy, saved, act, need_db:
+            _or_empty(act_backward_(dy, saved, name(act), need_db, "torch"), dy)})
+
+
+def _or_empty(db, like):
+    return like.new_empty(0, dtype=torch.float32) if db is None else db
+
+
+@pytest.mark.parametrize("activation", reference.ACTIVATIONS)
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("biases", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("lead", [(7,), (2, 3)])
+def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, biases, lead):
+    k, hidden, n = 24, 40, 16
+    pdt = torch.float32 if master else torch.bfloat16
+    cast_to = torch.bfloat16 if master else None
+    act = reference.activation_id(activation)
+    for grads_of in ("all", "x", "weights"):
+        x = randn(*lead, k, dtype=torch.bfloat16).requires_grad_(grads_of != "weights")
+        w1 = randn(hidden, k, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x")
+        w2 = randn(n, hidden, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x")
+        b1, b2 = (randn(d, dtype=pdt).requires_grad_(grads_of == "all") if on else None
+                  for on, d in zip(biases, (hidden, n)))
+        leaves = [t for t in (x, w1, b1, w2, b2) if t is not None and t.requires_grad]
+        g = randn(*lead, n, dtype=torch.bfloat16)
+        out = torch.ops.ampkernels.fused_mlp_train_cuda.default(x, w1, b1, w2, b2, act, cast_to)
+        want = FusedMLPFunction.apply(x.reshape(-1, k), w1, b1, w2, b2, activation, "torch", cast_to).reshape(*lead, n)
+        assert "FusedMLPTrain" in out.grad_fn.name() and out._base is None and out.shape == (*lead, n)
+        assert out.dtype == want.dtype and torch.equal(out, want)
+        if grads_of == "all":  # a kept graph: pre and w2's cast stay for the second backward
+            kept = torch.autograd.grad(out, leaves, g, retain_graph=True)
+            for a, e in zip(kept, torch.autograd.grad(out, leaves, g, retain_graph=True)):
+                assert torch.equal(a, e)
+        for a, e in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, leaves, g)):
+            assert a.dtype == e.dtype and torch.equal(a, e)
+
+
+def test_training_on_cuda_takes_the_cpp_autograd(reference_as_cuda_kernels):
+    x = randn(2, 3, 24, dtype=torch.bfloat16).requires_grad_()
+    w1, w2 = randn(40, 24, dtype=torch.bfloat16).requires_grad_(), randn(16, 40, dtype=torch.bfloat16).requires_grad_()
+    out = fused_mlp(x, w1, None, w2, None, "gelu_tanh")  # "cuda" (patched)
+    assert "FusedMLPTrain" in out.grad_fn.name() and out.shape == (2, 3, 16)
+    with torch.no_grad():  # inference keeps the forward alone
+        assert fused_mlp(x, w1, None, w2, None, "gelu_tanh").grad_fn is None

@@ -8,7 +8,8 @@ Under autocast the weights are cast inside (FusedMLPFunction): w1 is kept as the
 parameter and cast again late in backward; w2's cast is kept and freed once used.
 
 Eager calls run the implementations directly; torch.compile and opcheck see the custom ops
-(shared.eager_call says why). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
+(shared.eager_call says why); eager training on the cuda backend takes fused_mlp_train_cuda, the
+same Function with its autograd in C++ (csrc/ops.cpp). Forward: linear_act's fused GEMM + bias + activation (cuBLASLt epilogue or Triton),
 storing the pre-activation, then a GEMM + bias. Backward, ordered so that at most two
 hidden-sized tensors are alive (pre and one more): h recomputed by the bias_act kernel (Triton:
 act_forward, the forward epilogue's formulas: the forward's bits), dw2 (+ db2) from it, h freed;
@@ -187,6 +188,10 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
     if name == "torch":  # the eager block, exactly what FusedMLP replaces (F.linear casts under autocast)
         return F.linear(reference.act_fwd(F.linear(x, w1, b1), activation), w2, b2)
     contiguous = lambda t: None if t is None else t.contiguous()  # noqa: E731  (the kernels' layout)
-    out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]).contiguous(), w1.contiguous(), contiguous(b1),
-                                 w2.contiguous(), contiguous(b2), activation, name, cast_to)
+    w1, b1, w2, b2 = w1.contiguous(), contiguous(b1), w2.contiguous(), contiguous(b2)
+    if training and name == "cuda" and eager_call(x, w1, b1, w2, b2):
+        # autograd in C++ (csrc/ops.cpp), x of any rank: neither pass runs Python per call
+        return torch.ops.ampkernels.fused_mlp_train_cuda.default(x.contiguous(), w1, b1, w2, b2,
+                                                                 reference.activation_id(activation), cast_to)
+    out = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]).contiguous(), w1, b1, w2, b2, activation, name, cast_to)
     return out.reshape(*x.shape[:-1], w2.shape[0])
