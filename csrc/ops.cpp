@@ -379,6 +379,18 @@ at::Tensor reshaped_output(const at::Tensor& t, at::IntArrayRef sizes) {
   return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), v.sizes(), v.strides());
 }
 
+// The (rows, last dim) view the kernels take of a contiguous t of any rank (t itself when 2-D).
+// Made inside an autograd Function's passes, it adds no autograd node.
+at::Tensor as_rows(const at::Tensor& t) { return t.dim() == 2 ? t : t.view({-1, t.size(-1)}); }
+
+// A kernel's (rows, n) output under x's leading dims, as a tensor of its own (reshaped_output).
+at::Tensor like_rows_of(const at::Tensor& out, const at::Tensor& x) {
+  if (x.dim() == 2) return out;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out.size(-1);
+  return reshaped_output(out, shape);
+}
+
 // The contract of ampkernels/ops/layer_norm.py's NormFunction: the backward re-reads what was
 // normalised (x, or the stored residual sum), dbias comes back in bias's dtype, dresidual in the
 // residual's (dx itself when that is x's), and an unused `out` gets a zero gradient.
@@ -396,15 +408,11 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     // x (and residual) of any rank, contiguous, normalised over the last dim: the kernels see rows
     // (views made here, below autograd, add no nodes); what is saved is the input or the returned
     // output itself, whose version counter catches in-place edits before backward.
-    const bool nd = x.dim() != 2;
-    const auto rows = [&](const at::Tensor& t) { return nd ? t.view({-1, t.size(-1)}) : t; };
-    const std::optional<at::Tensor> residual2 = residual ? std::optional<at::Tensor>(rows(*residual)) : std::nullopt;
+    const std::optional<at::Tensor> residual2 = residual ? std::optional<at::Tensor>(as_rows(*residual)) : std::nullopt;
     auto [out, res_out, mean, rstd] =
-        fwd.call(rows(x), weight, bias_k, residual2, eps, is_rms, out_dtype, residual_in_fp32, true);
-    if (nd) {
-      out = reshaped_output(out, x.sizes());
-      if (residual) res_out = reshaped_output(res_out, x.sizes());
-    }
+        fwd.call(as_rows(x), weight, bias_k, residual2, eps, is_rms, out_dtype, residual_in_fp32, true);
+    out = like_rows_of(out, x);
+    if (residual) res_out = like_rows_of(res_out, x);
     ctx->save_for_backward({residual ? res_out : x, weight ? *weight : at::Tensor(), mean, rstd});
     ctx->set_materialize_grads(false);
     ctx->saved_data["is_rms"] = is_rms;
@@ -448,14 +456,12 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     const bool want_dw = needs("weight_edge");
     const bool want_db = needs("bias_edge");
     static const auto bwd = typed_op<NormBwdFn>("ampkernels::norm_bwd_cuda");
-    const bool nd = x.dim() != 2;
-    const int64_t n = x.size(-1);
-    const auto rows = [&](const at::Tensor& t) { return nd ? t.contiguous().view({-1, n}) : t.contiguous(); };
+    const auto rows = [](const at::Tensor& t) { return as_rows(t.contiguous()); };
     auto [dx, dres, dw, db] = bwd.call(
-        rows(dout), rows(x), weight, saved[2], saved[3],
+        rows(dout), as_rows(x), weight, saved[2], saved[3],
         dres_out.defined() ? std::optional<at::Tensor>(rows(dres_out)) : std::nullopt, is_rms, want_dw,
         want_db, x_dtype, residual_dtype, param_dtype);
-    if (nd) {
+    if (x.dim() != 2) {
       dx = dx.view(x.sizes());
       if (dres.numel() != 0) dres = dres.view(x.sizes());
     }
@@ -760,13 +766,8 @@ struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
     const bool store_pre = saves_hidden && act != Activation::kReLU;  // ReLU's derivative reads its output
     // x of any rank >= 1, contiguous: the kernels see (M, K) rows (a view below autograd, no
     // node); the saved x and y are the input and the returned output themselves (version-checked)
-    const bool nd = x.dim() != 2;
-    auto [y, pre] = fwd.call(nd ? x.view({-1, x.size(-1)}) : x, w, b, activation, store_pre, true);
-    if (nd) {
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-      shape.back() = w.size(0);
-      y = reshaped_output(y, shape);
-    }
+    auto [y, pre] = fwd.call(as_rows(x), w, b, activation, store_pre, true);
+    y = like_rows_of(y, x);
     ctx->save_for_backward({x, w, store_pre ? pre : saves_hidden ? y : at::Tensor()});
     ctx->saved_data["activation"] = activation;
     ctx->saved_data["grad_dtype"] = cast_to ? c10::IValue(weight.scalar_type()) : c10::IValue();
@@ -782,12 +783,10 @@ struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
     const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);
     const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);  // bias: edge 2
     const at::Tensor& x = saved[0];
-    const bool nd = x.dim() != 2;
-    const auto rows = [&](const at::Tensor& t) { return nd ? t.contiguous().view({-1, t.size(-1)}) : t.contiguous(); };
-    const at::Tensor s = saved[2].defined() ? rows(saved[2]) : at::empty({0}, dy.options());
-    auto [dx, dw, db] = bwd.call(rows(dy), rows(x), saved[1], s, ctx->saved_data["activation"].toInt(), need_dx,
-                                 need_dw, need_db, true);
-    if (nd && need_dx) dx = dx.view(x.sizes());
+    const at::Tensor s = saved[2].defined() ? as_rows(saved[2]) : at::empty({0}, dy.options());
+    auto [dx, dw, db] = bwd.call(as_rows(dy.contiguous()), as_rows(x), saved[1], s,
+                                 ctx->saved_data["activation"].toInt(), need_dx, need_dw, need_db, true);
+    if (x.dim() != 2 && need_dx) dx = dx.view(x.sizes());
     const auto& gd = ctx->saved_data["grad_dtype"];
     if (!gd.isNone()) {
       if (need_dw) dw = dw.to(gd.toScalarType());
@@ -886,14 +885,8 @@ struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
       bdc = cast(bd);
     }
     // x of any rank, contiguous: the kernels see (M, K) rows (as linear_act_train_cuda)
-    const bool nd = x.dim() != 2;
-    auto [h, gu] = fwd.call(nd ? x.view({-1, x.size(-1)}) : x, wgc, wuc, bgc, buc, activation, true);
-    at::Tensor out = at::linear(h, wdc, bdc);
-    if (nd) {
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-      shape.back() = wd.size(0);
-      out = reshaped_output(out, shape);
-    }
+    auto [h, gu] = fwd.call(as_rows(x), wgc, wuc, bgc, buc, activation, true);
+    const at::Tensor out = like_rows_of(at::linear(h, wdc, bdc), x);
     ctx->save_for_backward({x, wgc, wuc, wdc, gu});
     ctx->saved_data["activation"] = activation;
     // needs_input_grad counts the tensor inputs only (an absent bias has no edge)
@@ -911,7 +904,7 @@ struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
     static const auto act_bwd = typed_op<GatedActBwdFn>("ampkernels::gated_act_bwd_cuda");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x_in = saved[0], &wg = saved[1], &wu = saved[2], &wd = saved[3];
-    const at::Tensor x = x_in.dim() != 2 ? x_in.view({-1, x_in.size(-1)}) : x_in;
+    const at::Tensor x = as_rows(x_in);
     at::Tensor gu = saved[4];
     const int64_t activation = ctx->saved_data["activation"].toInt();
     const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
@@ -924,7 +917,7 @@ struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
     const auto wg_dt = want(0, 1), wu_dt = want(1, 2), bg_dt = want(2, edge("bg_edge")),
                bu_dt = want(3, edge("bu_edge")), wd_dt = want(4, edge("wd_edge")), bd_dt = want(5, edge("bd_edge"));
     const bool need_dx = ctx->needs_input_grad(0);
-    const at::Tensor dout = grads[0].contiguous().view({-1, grads[0].size(-1)});
+    const at::Tensor dout = as_rows(grads[0].contiguous());
     at::Tensor dwd, dbd;
     {  // down projection: dWd from the recomputed h, freed before dh exists
       const at::Tensor h = act_fwd.call(gu, activation);
@@ -993,17 +986,11 @@ struct FusedMLPTrain : public torch::autograd::Function<FusedMLPTrain> {
     };
     const at::Tensor w2c = cast(w2);
     const std::optional<at::Tensor> b1c = cast_opt(b1), b2c = cast_opt(b2);
-    const bool nd = x.dim() != 2;
     at::Tensor out, pre;
     {  // h lives only for the second GEMM
-      auto [h, p] = fwd.call(nd ? x.view({-1, x.size(-1)}) : x, cast(w1), b1c, activation, true, true);
-      out = at::linear(h, w2c, b2c);
+      auto [h, p] = fwd.call(as_rows(x), cast(w1), b1c, activation, true, true);
+      out = like_rows_of(at::linear(h, w2c, b2c), x);
       pre = p;
-    }
-    if (nd) {
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-      shape.back() = w2.size(0);
-      out = reshaped_output(out, shape);
     }
     ctx->save_for_backward({x, w1, w2c, pre});
     ctx->saved_data["activation"] = activation;
@@ -1020,10 +1007,10 @@ struct FusedMLPTrain : public torch::autograd::Function<FusedMLPTrain> {
     static const auto act_bwd = typed_op<ActBwdInplaceFn>("ampkernels::act_backward_cuda_");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x_in = saved[0], &w1 = saved[1], &w2 = saved[2], &pre = saved[3];
-    const at::Tensor x = x_in.dim() != 2 ? x_in.view({-1, x_in.size(-1)}) : x_in;
+    const at::Tensor x = as_rows(x_in);
     const int64_t activation = ctx->saved_data["activation"].toInt();
     const bool need_db1 = !ctx->saved_data["b1_dtype"].isNone(), need_db2 = !ctx->saved_data["b2_dtype"].isNone();
-    const at::Tensor dout = grads[0].contiguous().view({-1, grads[0].size(-1)});
+    const at::Tensor dout = as_rows(grads[0].contiguous());
     at::Tensor dw2, db2;
     {  // 1. layer 2's gradients from the recomputed h, freed before dh exists
       const at::Tensor h = std::get<0>(bias_act.call(pre, std::nullopt, activation, false));

@@ -282,38 +282,30 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
     training = torch.is_grad_enabled() and (x.requires_grad or (w2 is not None and w2.requires_grad) or
                                             (b2 is not None and b2.requires_grad) or
                                             (residual is not None and residual.requires_grad))
-    if training and name == bwd_name == "cuda" and nd == 1 and x.is_contiguous() and \
-            (residual is None or residual.is_contiguous()) and eager_call(x, w2, b2, residual):
-        # autograd in C++ (csrc/ops.cpp), x of any rank: neither pass runs Python per call, and no
-        # reshape adds autograd nodes around it
-        out, res_out = torch.ops.ampkernels.norm_train_cuda.default(x, w2, b2, residual, eps, is_rms, out_dtype,
+    # the kernels read contiguous rows: x as it is when it is made of them (of any rank for the C++
+    # autograd), else a contiguous (rows, n) copy (strided views are copied, never read wrongly)
+    rows_ok = nd == 1 and x.is_contiguous() and (residual is None or residual.is_contiguous())
+    xk = x if rows_ok else x.reshape(-1, n).contiguous()
+    resk = residual if rows_ok or residual is None else residual.reshape(-1, n).contiguous()
+    if training and name == bwd_name == "cuda" and eager_call(xk, w2, b2, resk):
+        # autograd in C++ (csrc/ops.cpp): neither pass runs Python per call, and no reshape adds
+        # autograd nodes around it
+        out, res_out = torch.ops.ampkernels.norm_train_cuda.default(xk, w2, b2, resk, eps, is_rms, out_dtype,
                                                                     residual_in_fp32)
-        return out if residual is None else (out, res_out)
-
-    # 2-D contiguous views of everything (strided views are copied, never read wrongly)
-    x2 = x if x.dim() == 2 and nd == 1 and x.is_contiguous() else x.reshape(-1, n).contiguous()
-    res2 = residual
-    if residual is not None and not (residual.dim() == 2 and nd == 1 and residual.is_contiguous()):
-        res2 = residual.reshape(-1, n).contiguous()
-    if training:
-        if name == bwd_name == "cuda" and eager_call(x2, w2, b2, res2):
-            # strided x or a multi-dim normalized_shape: the C++ autograd on the 2-D rows
-            out, res_out = torch.ops.ampkernels.norm_train_cuda.default(x2, w2, b2, res2, eps, is_rms, out_dtype,
-                                                                        residual_in_fp32)
-            result = out if res2 is None else (out, res_out)
-        else:
-            result = NormFunction.apply(x2, w2, b2, res2, eps, is_rms, out_dtype, residual_in_fp32, name, bwd_name)
-    else:  # inference: the forward alone, nothing saved (no mean/rstd written: 8 bytes a row)
-        if b2 is not None and w2 is not None and b2.dtype != w2.dtype:
-            b2 = b2.to(w2.dtype)
-        out, res_out, _, _ = _fwd_op()(x2, w2, b2, res2, eps, is_rms, out_dtype, residual_in_fp32, False, name)
-        result = out if res2 is None else (out, res_out)
-    if x2 is x:  # no reshape: a view would add an autograd node per call
-        return result
-    if residual is None:
-        return result.reshape(x.shape)
-    out, res_out = result
-    return out.reshape(x.shape), res_out.reshape(x.shape)
+    else:
+        if xk.dim() != 2:  # the custom ops and the Function take 2-D rows
+            xk, resk = xk.view(-1, n), None if resk is None else resk.view(-1, n)
+        if training:
+            result = NormFunction.apply(xk, w2, b2, resk, eps, is_rms, out_dtype, residual_in_fp32, name, bwd_name)
+            out, res_out = (result, None) if resk is None else result
+        else:  # inference: the forward alone, nothing saved (no mean/rstd written: 8 bytes a row)
+            if b2 is not None and w2 is not None and b2.dtype != w2.dtype:
+                b2 = b2.to(w2.dtype)
+            out, res_out, _, _ = _fwd_op()(xk, w2, b2, resk, eps, is_rms, out_dtype, residual_in_fp32, False, name)
+    if xk is not x:  # only then: a view would add an autograd node per call
+        out = out.reshape(x.shape)
+        res_out = None if residual is None else res_out.reshape(x.shape)
+    return out if residual is None else (out, res_out)
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None, residual_in_fp32=False,
