@@ -5,6 +5,7 @@
 // Every launcher returns the cudaError_t of its launch; ops.cpp checks it.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <cuda_runtime.h>
 
 namespace ampk {
@@ -40,11 +41,13 @@ cudaError_t probe_kernel_image();
 
 // ---- linear_act
 // cuBLASLt epilogues linear_act uses (csrc/linear_act.cu maps them to cublasLtEpilogue_t).
-enum class LtEpilogue : int { kDefault, kBias, kReLU, kReLUBias, kGELU, kGELUBias, kGELUAux, kGELUAuxBias, kBGradB };
+enum class LtEpilogue : int { kReLU, kReLUBias, kGELU, kGELUBias, kGELUAux, kGELUAuxBias };
 
 // One column-major GEMM D(m x n) = op(A)(m x k) * op(B)(k x n), fp16/bf16 in and out, fp32
-// accumulation, with an epilogue. bias: the bias (length m) or, for kBGradB, the bias
-// gradient output (length n); aux: GELU's pre-activation output (aux_ld >= m, multiple of 8).
+// accumulation, with an epilogue. bias: the bias (length m) or null; aux: GELU's pre-activation
+// output (aux_ld >= m, multiple of 8). n is the token count (linear_act's rows): the dimension
+// that changes from call to call in variable-length training (lt_matmul times its algorithms
+// for a few n only).
 struct LtGemm {
   int64_t m, n, k;
   bool trans_a, trans_b;
@@ -71,8 +74,8 @@ struct LtGemm {
 const char* lt_matmul(const LtGemm& gemm, void* handle, void* workspace, size_t workspace_size, cudaStream_t stream,
                       bool* no_plan);
 
-// Number of cached (descriptor, algorithm) plans, for tests.
-size_t lt_cached_plans();
+// (cached (descriptor, algorithm) plans, those of them whose algorithm was picked by timing), for tests.
+std::pair<size_t, size_t> lt_cached_plans();
 
 // dz = dy * act'(saved) over numel elements, for when no bias gradient is wanted
 // (bias_act_backward forms one). 16-byte vectors when pointers and numel allow.

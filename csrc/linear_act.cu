@@ -1,28 +1,32 @@
-// linear_act's GEMMs through cuBLASLt, with fused epilogues.
+// linear_act's forward GEMM through cuBLASLt, with the activation in its epilogue.
 //
 // Contract: one call = one column-major GEMM  D(m x n) = op(A)(m x k) * op(B)(k x n)  in
-// fp16 or bf16 with fp32 accumulation (CUBLAS_COMPUTE_32F), plus an epilogue:
-//   bias (length m, D's dtype), ReLU/GELU(tanh) on the fp32 result, GELU's pre-activation
-//   written to `aux` (D's dtype, leading dim aux_ld), or BGRADB: the fp32-accumulated
-//   column sums of op(B) over k written to `bias` (the bias gradient, D's dtype).
+// fp16 or bf16 with fp32 accumulation (CUBLAS_COMPUTE_32F), plus an epilogue: ReLU or
+// GELU(tanh) on the fp32 result, optionally with a bias (length m, D's dtype) added first and
+// GELU's pre-activation written to `aux` (D's dtype, leading dim aux_ld).
 // Row-major torch tensors are read as their transposes (see ops.cpp for the mapping).
 //
-// The matmul descriptor, the three layouts and the algorithm (the fastest of the heuristic's
-// candidates, timed once on first use) are created once per (device, m, n, k, transposes,
-// leading dims, dtype, epilogue, bias, aux_ld) and cached;
-// the callers only take this path with 16-byte aligned pointers and leading dims that are
-// multiples of 8, so alignment is part of the key by construction. Pointers (bias, aux)
-// are set on the cached descriptor under the cache's lock just before cublasLtMatmul, which
-// reads them at call time (the launch itself is asynchronous and graph-capturable).
-// Every cuBLASLt status is checked; the message names the call and the GEMM.
+// The matmul descriptor, the three layouts and the algorithm are created once per (device, m,
+// n, k, transposes, leading dims, dtype, epilogue, bias, aux_ld) and cached; the callers only
+// take this path with 16-byte aligned pointers and leading dims that are multiples of 8, so
+// alignment is part of the key by construction. The algorithm is the fastest of the
+// heuristic's candidates, timed once (one host sync) for the first kTimedShapes token counts n
+// of a GEMM (the key without n); a later n, as variable-length training brings every step,
+// takes the algorithm timed for the nearest n when cuBLASLt accepts it for the new shape, else
+// the heuristic's first pick: no timing and no host sync after those first calls. Pointers
+// (bias, aux) are set on the cached descriptor under the cache's lock just before
+// cublasLtMatmul, which reads them at call time (the launch itself is asynchronous and
+// graph-capturable). Every cuBLASLt status is checked; the message names the call and the GEMM.
 #include <cublasLt.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "activations.cuh"
 
@@ -68,32 +72,36 @@ struct Plan {
   std::string unsupported;  // non-empty: cuBLASLt has no algorithm for this key (cached too)
 };
 
-using Key = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, int, int, bool, int64_t,
-                       size_t, bool>;
+// (device, m, k, transposes, leading dims, dtype, epilogue, bias, aux_ld, workspace, deterministic):
+// one GEMM of a model, whatever its token count n
+using Family = std::tuple<int, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, int, int, bool, int64_t,
+                          size_t, bool>;
+using Key = std::pair<Family, int64_t>;  // + n
+
+constexpr size_t kTimedShapes = 2;  // token counts timed per family (e.g. a training and an eval batch)
 
 std::mutex g_mutex;
-std::map<Key, Plan> g_plans;  // never freed: a handful per model shape, alive for the process
+// never freed: a plan per shape, alive for the process (a few hundred bytes each; variable-length
+// training adds one per distinct token count)
+std::map<Key, Plan> g_plans;
+std::map<Family, std::map<int64_t, cublasLtMatmulAlgo_t>> g_timed;  // family -> n -> the algorithm timed for it
 thread_local std::string g_error;
 
 cublasLtEpilogue_t to_lt(LtEpilogue e) {
   switch (e) {
-    case LtEpilogue::kDefault: return CUBLASLT_EPILOGUE_DEFAULT;
-    case LtEpilogue::kBias: return CUBLASLT_EPILOGUE_BIAS;
     case LtEpilogue::kReLU: return CUBLASLT_EPILOGUE_RELU;
     case LtEpilogue::kReLUBias: return CUBLASLT_EPILOGUE_RELU_BIAS;
     case LtEpilogue::kGELU: return CUBLASLT_EPILOGUE_GELU;
     case LtEpilogue::kGELUBias: return CUBLASLT_EPILOGUE_GELU_BIAS;
     case LtEpilogue::kGELUAux: return CUBLASLT_EPILOGUE_GELU_AUX;
     case LtEpilogue::kGELUAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-    case LtEpilogue::kBGradB: return CUBLASLT_EPILOGUE_BGRADB;
   }
-  return CUBLASLT_EPILOGUE_DEFAULT;
+  return CUBLASLT_EPILOGUE_RELU;
 }
 
 bool uses_aux(LtEpilogue e) { return e == LtEpilogue::kGELUAux || e == LtEpilogue::kGELUAuxBias; }
 bool uses_bias(LtEpilogue e) {
-  return e == LtEpilogue::kBias || e == LtEpilogue::kReLUBias || e == LtEpilogue::kGELUBias ||
-         e == LtEpilogue::kGELUAuxBias || e == LtEpilogue::kBGradB;
+  return e == LtEpilogue::kReLUBias || e == LtEpilogue::kGELUBias || e == LtEpilogue::kGELUAuxBias;
 }
 
 const char* fail(const char* call, cublasStatus_t s, const LtGemm& g) {
@@ -115,6 +123,8 @@ const char* fail(const char* call, cublasStatus_t s, const LtGemm& g) {
 
 constexpr int kCandidates = 8;  // algorithms the heuristic proposes; the fastest is kept
 constexpr int kTimedRuns = 5;
+constexpr int kRounds = 2;  // every candidate timed twice, in turn, keeping its best: the clock can
+                            // still be rising when the first candidates run
 
 // Index of the fastest of the heuristic's candidates, timed on the real operands (their
 // outputs are overwritten by the caller's run right after). Once per plan: one host sync.
@@ -122,38 +132,65 @@ constexpr int kTimedRuns = 5;
 int fastest_algo(const LtGemm& g, cublasLtHandle_t handle, const Plan& p,
                  const cublasLtMatmulHeuristicResult_t* results, int found, void* workspace, size_t workspace_size,
                  cudaStream_t stream) {
-  cudaEvent_t start = nullptr, stop = nullptr;
-  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
-    if (start) cudaEventDestroy(start);
-    return 0;
-  }
   const float alpha = 1.f, beta = 0.f;
+  const auto run = [&](int i) {
+    return cublasLtMatmul(handle, p.desc, &alpha, g.a, p.a, g.b, p.b, &beta, g.d, p.d, g.d, p.d, &results[i].algo,
+                          workspace, workspace_size, stream) == CUBLAS_STATUS_SUCCESS;
+  };
+  bool launched[kCandidates] = {};
   int best = -1;
-  float best_ms = 3.4e38f;
-  for (int i = 0; i < found; ++i) {
-    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    const auto run = [&] {
-      return cublasLtMatmul(handle, p.desc, &alpha, g.a, p.a, g.b, p.b, &beta, g.d, p.d, g.d, p.d, &results[i].algo,
-                            workspace, workspace_size, stream) == CUBLAS_STATUS_SUCCESS;
-    };
-    if (!run()) continue;  // warm-up; a candidate that fails to launch is skipped
-    if (best < 0) best = i;  // it launched: usable even if timing it fails below
-    bool ok = cudaEventRecord(start, stream) == cudaSuccess;
-    for (int r = 0; r < kTimedRuns && ok; ++r) ok = run();
-    ok = ok && cudaEventRecord(stop, stream) == cudaSuccess && cudaEventSynchronize(stop) == cudaSuccess;
-    float ms = 0.f;
-    if (ok && cudaEventElapsedTime(&ms, start, stop) == cudaSuccess && ms < best_ms) {
-      best_ms = ms;
-      best = i;
+  for (int i = 0; i < found; ++i) {  // warm-up; a candidate that fails to launch is skipped
+    launched[i] = results[i].state == CUBLAS_STATUS_SUCCESS && run(i);
+    if (launched[i] && best < 0) best = i;  // usable even if timing fails below
+  }
+  if (best < 0) return -1;
+  cudaEvent_t start[kCandidates] = {}, stop[kCandidates] = {};
+  float best_ms[kCandidates];
+  std::fill(best_ms, best_ms + kCandidates, 3.4e38f);
+  bool ok = true;
+  for (int i = 0; i < found && ok; ++i)
+    if (launched[i]) ok = cudaEventCreate(&start[i]) == cudaSuccess && cudaEventCreate(&stop[i]) == cudaSuccess;
+  for (int round = 0; round < kRounds && ok; ++round) {
+    for (int i = 0; i < found && ok; ++i) {
+      if (!launched[i]) continue;
+      ok = cudaEventRecord(start[i], stream) == cudaSuccess;
+      for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(i);
+      ok = ok && cudaEventRecord(stop[i], stream) == cudaSuccess;
+    }
+    ok = ok && cudaStreamSynchronize(stream) == cudaSuccess;
+    for (int i = 0; i < found && ok; ++i) {
+      float ms = 0.f;
+      if (launched[i] && cudaEventElapsedTime(&ms, start[i], stop[i]) == cudaSuccess)
+        best_ms[i] = std::min(best_ms[i], ms);
     }
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  for (int i = 0; i < found; ++i) {
+    if (start[i]) cudaEventDestroy(start[i]);
+    if (stop[i]) cudaEventDestroy(stop[i]);
+  }
+  if (!ok) return best;
+  for (int i = 0; i < found; ++i)
+    if (launched[i] && best_ms[i] < best_ms[best]) best = i;
   return best;
 }
 
+// The algorithm timed for the family's n nearest to `n`, if cuBLASLt accepts it for this
+// plan's shape with the workspace at hand.
+bool nearest_timed_algo(const std::map<int64_t, cublasLtMatmulAlgo_t>& timed, int64_t n, cublasLtHandle_t handle,
+                        const Plan& p, size_t workspace_size, cublasLtMatmulAlgo_t* algo) {
+  auto it = timed.lower_bound(n);
+  if (it == timed.end() || (it != timed.begin() && n - std::prev(it)->first < it->first - n)) --it;
+  cublasLtMatmulHeuristicResult_t check{};
+  if (cublasLtMatmulAlgoCheck(handle, p.desc, p.a, p.b, p.d, p.d, &it->second, &check) != CUBLAS_STATUS_SUCCESS ||
+      check.workspaceSize > workspace_size)
+    return false;
+  *algo = it->second;
+  return true;
+}
+
+// timed: the family's timed algorithms (this plan's is added when it is timed)
 const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace, size_t workspace_size,
-                      cudaStream_t stream, Plan& p) {
+                      cudaStream_t stream, std::map<int64_t, cublasLtMatmulAlgo_t>& timed, Plan& p) {
   const cudaDataType_t t = g.dtype == DType::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   AMPK_LT(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -162,7 +199,7 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace,
   const cublasLtEpilogue_t epi = to_lt(g.epilogue);
   AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
   if (uses_bias(g.epilogue)) {
-    const int32_t bt = t;  // bias (or its gradient) in D's dtype
+    const int32_t bt = t;  // bias in D's dtype
     AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
     AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
   }
@@ -174,6 +211,16 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace,
   AMPK_LT(cublasLtMatrixLayoutCreate(&p.a, t, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda));
   AMPK_LT(cublasLtMatrixLayoutCreate(&p.b, t, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb));
   AMPK_LT(cublasLtMatrixLayoutCreate(&p.d, t, g.m, g.n, g.ldd));
+  // The heuristic's first pick can be far from the best (H200, fp16 4096x768x3072 with the
+  // GELU+bias epilogue: 0.093 ms with the first pick, 0.036 ms with the timed best): time the
+  // candidates once, for the family's first token counts, unless the stream is being captured
+  // into a CUDA graph (no host sync allowed) or deterministic algorithms are requested (the
+  // pick must not depend on timing): then the first pick is kept.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool can_time = !g.deterministic && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+                        capture == cudaStreamCaptureStatusNone;
+  if (can_time && timed.size() >= kTimedShapes && nearest_timed_algo(timed, g.n, handle, p, workspace_size, &p.algo))
+    return nullptr;
 
   cublasLtMatmulPreference_t pref = nullptr;
   AMPK_LT(cublasLtMatmulPreferenceCreate(&pref));
@@ -186,19 +233,11 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace,
   cublasLtMatmulPreferenceDestroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS) return fail("cublasLtMatmulAlgoGetHeuristic", s, g);
   if (found == 0) return fail("cublasLtMatmulAlgoGetHeuristic (no algorithm)", CUBLAS_STATUS_NOT_SUPPORTED, g);
-  // The heuristic's first pick can be far from the best (H200, fp16 4096x768x3072 with the
-  // GELU+bias epilogue: 0.093 ms with the first pick, 0.036 ms with the timed best): time the
-  // candidates once, unless the stream is being captured into a CUDA graph (no host sync
-  // allowed) or deterministic algorithms are requested (the pick must not depend on timing):
-  // then the first pick is kept.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  const bool can_time = !g.deterministic && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-                        capture == cudaStreamCaptureStatusNone;
-  const int best = found > 1 && can_time
-                       ? fastest_algo(g, handle, p, results, found, workspace, workspace_size, stream)
-                       : 0;
+  const bool time_it = found > 1 && can_time && timed.size() < kTimedShapes;
+  const int best = time_it ? fastest_algo(g, handle, p, results, found, workspace, workspace_size, stream) : 0;
   if (best < 0) return fail("cublasLtMatmul (no candidate algorithm launched)", CUBLAS_STATUS_NOT_SUPPORTED, g);
   p.algo = results[best].algo;
+  if (time_it) timed[g.n] = p.algo;
   return nullptr;
 }
 
@@ -225,14 +264,14 @@ const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t wo
     g_error = "lt_matmul: cudaGetDevice failed";
     return g_error.c_str();
   }
-  const Key key{device,  g.m,   g.n,   g.k,          g.trans_a,           g.trans_b,           g.lda,
-                g.ldb,   g.ldd, int(g.dtype), int(g.epilogue), g.bias != nullptr, g.aux_ld, workspace_size,
-                g.deterministic};
+  const Key key{Family{device, g.m, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldd, int(g.dtype), int(g.epilogue),
+                       g.bias != nullptr, g.aux_ld, workspace_size, g.deterministic},
+                g.n};
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
     Plan p;
-    if (const char* err = make_plan(g, handle, workspace, workspace_size, stream, p)) {
+    if (const char* err = make_plan(g, handle, workspace, workspace_size, stream, g_timed[key.first], p)) {
       // no descriptor or no algorithm for this epilogue/shape: remembered, so the caller's
       // unfused path costs no heuristic query on later calls
       destroy(p);
@@ -282,9 +321,11 @@ cudaError_t act_backward(const void* dy, const void* saved, void* dz, int64_t nu
   });
 }
 
-size_t lt_cached_plans() {
+std::pair<size_t, size_t> lt_cached_plans() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return g_plans.size();
+  size_t timed = 0;
+  for (const auto& [family, ns] : g_timed) timed += ns.size();
+  return {g_plans.size(), timed};
 }
 
 }  // namespace ampk

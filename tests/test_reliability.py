@@ -95,7 +95,7 @@ def test_linear_act_deterministic_mode(monkeypatch):
     b = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     before = torch.are_deterministic_algorithms_enabled()
-    plans = torch.ops.ampkernels.linear_act_lt_plans_cuda()
+    plans = torch.ops.ampkernels.linear_act_lt_plans_cuda()[0]
     torch.use_deterministic_algorithms(True)
     try:
         runs = []
@@ -106,7 +106,7 @@ def test_linear_act_deterministic_mode(monkeypatch):
             runs.append((y, w.grad.clone(), b.grad.clone()))
     finally:
         torch.use_deterministic_algorithms(before)
-    assert torch.ops.ampkernels.linear_act_lt_plans_cuda() > plans  # deterministic plans are keyed apart
+    assert torch.ops.ampkernels.linear_act_lt_plans_cuda()[0] > plans  # deterministic plans are keyed apart
     assert all(torch.equal(r[i], runs[0][i]) for r in runs for i in range(3))
     assert_rel_close(runs[0][0], reference.linear_act(x.double(), w.detach().double(), b.detach().double(),
                                                       "gelu_tanh"), torch.bfloat16)
