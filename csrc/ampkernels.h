@@ -41,13 +41,11 @@ cudaError_t probe_kernel_image();
 
 // ---- linear_act
 // cuBLASLt epilogues linear_act uses (csrc/linear_act.cu maps them to cublasLtEpilogue_t).
-enum class LtEpilogue : int { kReLU, kReLUBias, kGELU, kGELUBias, kGELUAux, kGELUAuxBias };
+enum class LtEpilogue : int { kDefault, kBias, kReLU, kReLUBias, kGELU, kGELUBias, kGELUAux, kGELUAuxBias, kBGradB };
 
 // One column-major GEMM D(m x n) = op(A)(m x k) * op(B)(k x n), fp16/bf16 in and out, fp32
-// accumulation, with an epilogue. bias: the bias (length m) or null; aux: GELU's pre-activation
-// output (aux_ld >= m, multiple of 8). n is the token count (linear_act's rows): the dimension
-// that changes from call to call in variable-length training (lt_matmul times its algorithms
-// for a few n only).
+// accumulation, with an epilogue. bias: the bias (length m) or, for kBGradB, the bias
+// gradient output (length n); aux: GELU's pre-activation output (aux_ld >= m, multiple of 8).
 struct LtGemm {
   int64_t m, n, k;
   bool trans_a, trans_b;

@@ -1,22 +1,26 @@
-// linear_act's forward GEMM through cuBLASLt, with the activation in its epilogue.
+// linear_act's GEMMs through cuBLASLt, with fused epilogues.
 //
 // Contract: one call = one column-major GEMM  D(m x n) = op(A)(m x k) * op(B)(k x n)  in
-// fp16 or bf16 with fp32 accumulation (CUBLAS_COMPUTE_32F), plus an epilogue: ReLU or
-// GELU(tanh) on the fp32 result, optionally with a bias (length m, D's dtype) added first and
-// GELU's pre-activation written to `aux` (D's dtype, leading dim aux_ld).
+// fp16 or bf16 with fp32 accumulation (CUBLAS_COMPUTE_32F), plus an epilogue:
+//   bias (length m, D's dtype), ReLU/GELU(tanh) on the fp32 result, GELU's pre-activation
+//   written to `aux` (D's dtype, leading dim aux_ld), or BGRADB: the fp32-accumulated
+//   column sums of op(B) over k written to `bias` (the bias gradient, D's dtype).
 // Row-major torch tensors are read as their transposes (see ops.cpp for the mapping).
 //
 // The matmul descriptor, the three layouts and the algorithm are created once per (device, m,
-// n, k, transposes, leading dims, dtype, epilogue, bias, aux_ld) and cached; the callers only
-// take this path with 16-byte aligned pointers and leading dims that are multiples of 8, so
-// alignment is part of the key by construction. The algorithm is the fastest of the
-// heuristic's candidates, timed once (one host sync) for the first kTimedShapes token counts n
-// of a GEMM (the key without n); a later n, as variable-length training brings every step,
-// takes the algorithm timed for the nearest n when cuBLASLt accepts it for the new shape, else
-// the heuristic's first pick: no timing and no host sync after those first calls. Pointers
-// (bias, aux) are set on the cached descriptor under the cache's lock just before
-// cublasLtMatmul, which reads them at call time (the launch itself is asynchronous and
-// graph-capturable). Every cuBLASLt status is checked; the message names the call and the GEMM.
+// n, k, transposes, leading dims, dtype, epilogue, bias, aux_ld) and cached: a call costs the
+// host a map lookup, not a heuristic query. The callers only take this path with 16-byte
+// aligned pointers and leading dims that are multiples of 8, so alignment is part of the key
+// by construction. The algorithm is the fastest of the heuristic's candidates, timed once (one
+// host sync) for the first kTimedShapes shapes of a GEMM family: the key without m, n, k. The
+// callers' operands are contiguous, so their leading dims are the layer's K or N, never its
+// token count M: a family is one GEMM of a layer whatever M is. A later M, as a masked LM's
+// labelled rows or variable-length batches bring every step, takes the algorithm timed for
+// the nearest shape when cuBLASLt accepts it for the new one, else the heuristic's first pick:
+// no timing and no host sync after those first calls. Pointers (bias, aux) are set on the
+// cached descriptor under the cache's lock just before cublasLtMatmul, which reads them at
+// call time (the launch itself is asynchronous and graph-capturable).
+// Every cuBLASLt status is checked; the message names the call and the GEMM.
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -72,36 +76,40 @@ struct Plan {
   std::string unsupported;  // non-empty: cuBLASLt has no algorithm for this key (cached too)
 };
 
-// (device, m, k, transposes, leading dims, dtype, epilogue, bias, aux_ld, workspace, deterministic):
-// one GEMM of a model, whatever its token count n
-using Family = std::tuple<int, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, int, int, bool, int64_t,
-                          size_t, bool>;
-using Key = std::pair<Family, int64_t>;  // + n
+// (device, transposes, leading dims, dtype, epilogue, bias, aux_ld, workspace, deterministic):
+// one GEMM of a layer, whatever its token count
+using Family = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int, int, bool, int64_t, size_t, bool>;
+using Key = std::tuple<Family, int64_t, int64_t, int64_t>;  // + m, n, k
 
-constexpr size_t kTimedShapes = 2;  // token counts timed per family (e.g. a training and an eval batch)
+constexpr size_t kTimedShapes = 2;  // shapes timed per family (e.g. a training and an eval batch)
 
 std::mutex g_mutex;
 // never freed: a plan per shape, alive for the process (a few hundred bytes each; variable-length
 // training adds one per distinct token count)
 std::map<Key, Plan> g_plans;
-std::map<Family, std::map<int64_t, cublasLtMatmulAlgo_t>> g_timed;  // family -> n -> the algorithm timed for it
+// family -> m*n*k -> the algorithm timed for that shape (the shapes of a family differ in M alone)
+std::map<Family, std::map<double, cublasLtMatmulAlgo_t>> g_timed;
 thread_local std::string g_error;
 
 cublasLtEpilogue_t to_lt(LtEpilogue e) {
   switch (e) {
+    case LtEpilogue::kDefault: return CUBLASLT_EPILOGUE_DEFAULT;
+    case LtEpilogue::kBias: return CUBLASLT_EPILOGUE_BIAS;
     case LtEpilogue::kReLU: return CUBLASLT_EPILOGUE_RELU;
     case LtEpilogue::kReLUBias: return CUBLASLT_EPILOGUE_RELU_BIAS;
     case LtEpilogue::kGELU: return CUBLASLT_EPILOGUE_GELU;
     case LtEpilogue::kGELUBias: return CUBLASLT_EPILOGUE_GELU_BIAS;
     case LtEpilogue::kGELUAux: return CUBLASLT_EPILOGUE_GELU_AUX;
     case LtEpilogue::kGELUAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case LtEpilogue::kBGradB: return CUBLASLT_EPILOGUE_BGRADB;
   }
-  return CUBLASLT_EPILOGUE_RELU;
+  return CUBLASLT_EPILOGUE_DEFAULT;
 }
 
 bool uses_aux(LtEpilogue e) { return e == LtEpilogue::kGELUAux || e == LtEpilogue::kGELUAuxBias; }
 bool uses_bias(LtEpilogue e) {
-  return e == LtEpilogue::kReLUBias || e == LtEpilogue::kGELUBias || e == LtEpilogue::kGELUAuxBias;
+  return e == LtEpilogue::kBias || e == LtEpilogue::kReLUBias || e == LtEpilogue::kGELUBias ||
+         e == LtEpilogue::kGELUAuxBias || e == LtEpilogue::kBGradB;
 }
 
 const char* fail(const char* call, cublasStatus_t s, const LtGemm& g) {
@@ -174,12 +182,12 @@ int fastest_algo(const LtGemm& g, cublasLtHandle_t handle, const Plan& p,
   return best;
 }
 
-// The algorithm timed for the family's n nearest to `n`, if cuBLASLt accepts it for this
+// The algorithm timed for the family's shape nearest to this one (by m*n*k), if cuBLASLt accepts it for this
 // plan's shape with the workspace at hand.
-bool nearest_timed_algo(const std::map<int64_t, cublasLtMatmulAlgo_t>& timed, int64_t n, cublasLtHandle_t handle,
+bool nearest_timed_algo(const std::map<double, cublasLtMatmulAlgo_t>& timed, double volume, cublasLtHandle_t handle,
                         const Plan& p, size_t workspace_size, cublasLtMatmulAlgo_t* algo) {
-  auto it = timed.lower_bound(n);
-  if (it == timed.end() || (it != timed.begin() && n - std::prev(it)->first < it->first - n)) --it;
+  auto it = timed.lower_bound(volume);
+  if (it == timed.end() || (it != timed.begin() && volume - std::prev(it)->first < it->first - volume)) --it;
   cublasLtMatmulHeuristicResult_t check{};
   if (cublasLtMatmulAlgoCheck(handle, p.desc, p.a, p.b, p.d, p.d, &it->second, &check) != CUBLAS_STATUS_SUCCESS ||
       check.workspaceSize > workspace_size)
@@ -190,7 +198,7 @@ bool nearest_timed_algo(const std::map<int64_t, cublasLtMatmulAlgo_t>& timed, in
 
 // timed: the family's timed algorithms (this plan's is added when it is timed)
 const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace, size_t workspace_size,
-                      cudaStream_t stream, std::map<int64_t, cublasLtMatmulAlgo_t>& timed, Plan& p) {
+                      cudaStream_t stream, std::map<double, cublasLtMatmulAlgo_t>& timed, Plan& p) {
   const cudaDataType_t t = g.dtype == DType::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   AMPK_LT(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -199,7 +207,7 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace,
   const cublasLtEpilogue_t epi = to_lt(g.epilogue);
   AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
   if (uses_bias(g.epilogue)) {
-    const int32_t bt = t;  // bias in D's dtype
+    const int32_t bt = t;  // bias (or its gradient) in D's dtype
     AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
     AMPK_LT(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
   }
@@ -213,13 +221,14 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace,
   AMPK_LT(cublasLtMatrixLayoutCreate(&p.d, t, g.m, g.n, g.ldd));
   // The heuristic's first pick can be far from the best (H200, fp16 4096x768x3072 with the
   // GELU+bias epilogue: 0.093 ms with the first pick, 0.036 ms with the timed best): time the
-  // candidates once, for the family's first token counts, unless the stream is being captured
+  // candidates once, for the family's first shapes, unless the stream is being captured
   // into a CUDA graph (no host sync allowed) or deterministic algorithms are requested (the
   // pick must not depend on timing): then the first pick is kept.
+  const double volume = double(g.m) * double(g.n) * double(g.k);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const bool can_time = !g.deterministic && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
                         capture == cudaStreamCaptureStatusNone;
-  if (can_time && timed.size() >= kTimedShapes && nearest_timed_algo(timed, g.n, handle, p, workspace_size, &p.algo))
+  if (can_time && timed.size() >= kTimedShapes && nearest_timed_algo(timed, volume, handle, p, workspace_size, &p.algo))
     return nullptr;
 
   cublasLtMatmulPreference_t pref = nullptr;
@@ -237,7 +246,7 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace,
   const int best = time_it ? fastest_algo(g, handle, p, results, found, workspace, workspace_size, stream) : 0;
   if (best < 0) return fail("cublasLtMatmul (no candidate algorithm launched)", CUBLAS_STATUS_NOT_SUPPORTED, g);
   p.algo = results[best].algo;
-  if (time_it) timed[g.n] = p.algo;
+  if (time_it) timed[volume] = p.algo;
   return nullptr;
 }
 
@@ -264,14 +273,14 @@ const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t wo
     g_error = "lt_matmul: cudaGetDevice failed";
     return g_error.c_str();
   }
-  const Key key{Family{device, g.m, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldd, int(g.dtype), int(g.epilogue),
+  const Key key{Family{device, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldd, int(g.dtype), int(g.epilogue),
                        g.bias != nullptr, g.aux_ld, workspace_size, g.deterministic},
-                g.n};
+                g.m, g.n, g.k};
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
     Plan p;
-    if (const char* err = make_plan(g, handle, workspace, workspace_size, stream, g_timed[key.first], p)) {
+    if (const char* err = make_plan(g, handle, workspace, workspace_size, stream, g_timed[std::get<0>(key)], p)) {
       // no descriptor or no algorithm for this epilogue/shape: remembered, so the caller's
       // unfused path costs no heuristic query on later calls
       destroy(p);
@@ -324,7 +333,7 @@ cudaError_t act_backward(const void* dy, const void* saved, void* dz, int64_t nu
 std::pair<size_t, size_t> lt_cached_plans() {
   std::lock_guard<std::mutex> lock(g_mutex);
   size_t timed = 0;
-  for (const auto& [family, ns] : g_timed) timed += ns.size();
+  for (const auto& [family, shapes] : g_timed) timed += shapes.size();
   return {g_plans.size(), timed};
 }
 

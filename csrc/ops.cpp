@@ -492,17 +492,22 @@ TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
 // ---------------------------------------------------------------- linear_act
 //
 // y = act(x @ W^T + b), x (M, K), W (N, K), y (M, N), all row-major. cuBLASLt is
-// column-major, so its GEMM is written for the transposes (ld = row length):
+// column-major, so every GEMM is written for the transposes (ld = row length):
 //   forward  y^T (N x M)  = W(N x K) . x^T(K x M):  A = W (K x N stored, transposed), B = x (K x M)
-// cuBLASLt runs the forward where its epilogue computes the activation: ReLU (when the
-// pre-activation is not kept) and GELU(tanh) (+ its pre-activation as aux), with the bias. Every
-// other GEMM is torch's own, the kernels F.linear and its backward run (at::addmm / at::mm, which
-// choose per call and take any M, alignment or K): the forward of the other activations (erf
-// GELU, SiLU, squared ReLU; then the bias_act kernel, in place), dx = dz W and dW = dz^T x.
-// cuBLASLt's DGELU/DRELU_BGRAD epilogues multiply a GEMM's *output* by act'(aux); in one layer's
-// backward act' multiplies the GEMM's *input* dz, so they do not apply: dz = dy * act'(pre) is
-// one vectorised elementwise pass (act_backward in linear_act.cu; bias_act_backward in
-// bias_act.cu when it also sums dbias, at no extra read).
+//   dx^T     (K x M)      = W^T(K x N) . dz^T(N x M):  A = W (K x N), B = dz (N x M)
+//   dW^T     (K x N)      = x^T(K x M) . dz(M x N):    A = x (K x M), B = dz (N x M, transposed);
+//                           for identity, BGRADB sums op(B) = dz over M: dbias, fused into this
+//                           GEMM (cuBLASLt runs it as a kernel of its own after the GEMM: other
+//                           activations sum dbias in their act' pass instead, at no extra read).
+// Epilogues fuse bias, ReLU and GELU(tanh) (+ its pre-activation as aux). cuBLASLt's
+// DGELU/DRELU_BGRAD epilogues multiply a GEMM's *output* by act'(aux); in one layer's
+// backward act' multiplies the GEMM's *input* dz, so they do not apply here: dz = dy * act'(pre)
+// is one vectorised elementwise pass (act_backward in linear_act.cu; bias_act_backward in
+// bias_act.cu when it also sums dbias). Other activations (erf
+// GELU, SiLU, squared ReLU) run the GEMM with the bias epilogue, then the bias_act kernel.
+// Inputs cuBLASLt cannot take with a fused epilogue (pointers not 16-byte aligned, N or K not
+// multiples of 8, K = 0) run the explicit fallback: at::mm (cuBLAS, any alignment) + the
+// bias_act kernel.
 
 bool lt_aligned(const at::Tensor& t) {
   return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
@@ -556,8 +561,8 @@ bool lt_fusable(const at::Tensor& a, const at::Tensor& b, int64_t n, int64_t k) 
   return k > 0 && n % 8 == 0 && k % 8 == 0 && lt_aligned(a) && lt_aligned(b);
 }
 
-// (y, pre): pre = x W^T + b in x's dtype when store_pre, else empty. fuse=false skips the
-// cuBLASLt epilogue (tests compare both paths on the same inputs).
+// (y, pre): pre = x W^T + b in x's dtype when store_pre, else empty. fuse=false forces the
+// fallback (tests compare both paths on the same inputs).
 std::tuple<at::Tensor, at::Tensor> linear_act_fwd(const at::Tensor& x, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias, int64_t activation,
                                                   bool store_pre, bool fuse) {
@@ -574,38 +579,49 @@ std::tuple<at::Tensor, at::Tensor> linear_act_fwd(const at::Tensor& x, const at:
   const Activation act = to_activation(activation, op);
   const DType dtype = to_dtype(x.scalar_type(), op, "x");
   const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor y = at::empty({M, N}, x.options());
   at::Tensor pre = at::empty({store_pre ? M : 0, store_pre ? N : 0}, x.options());
   if (M == 0 || N == 0) return {y, pre};
 
-  // 1. the activation in cuBLASLt's epilogue, where it has one
-  const bool relu_epilogue = act == Activation::kReLU && !store_pre;  // relu's backward reads y (y > 0 iff pre > 0)
-  if (fuse && (relu_epilogue || act == Activation::kGELUTanh) && lt_fusable(x, weight, N, K) &&
-      (!bias || lt_aligned(*bias))) {
-    LtEpilogue epi;
-    if (relu_epilogue) {
-      epi = bias ? LtEpilogue::kReLUBias : LtEpilogue::kReLU;
-    } else {  // cuBLASLt's GELU is the tanh approximation
-      epi = store_pre ? (bias ? LtEpilogue::kGELUAuxBias : LtEpilogue::kGELUAux)
-                      : (bias ? LtEpilogue::kGELUBias : LtEpilogue::kGELU);
+  const bool lt = fuse && lt_fusable(x, weight, N, K) && (!bias || lt_aligned(*bias));
+  void* bias_ptr = bias ? bias->data_ptr() : nullptr;
+  if (lt) {
+    const LtGemm gemm{N, M, K, true, false, weight.data_ptr(), K, x.data_ptr(), K, y.data_ptr(), N, dtype,
+                      bias ? LtEpilogue::kBias : LtEpilogue::kDefault, bias_ptr, nullptr, 0};
+    // 1. the activation in the epilogue, where cuBLASLt has it
+    LtGemm g = gemm;
+    bool fused = true;
+    if (act == Activation::kReLU && !store_pre) {  // relu's backward reads its output (y > 0 iff pre > 0)
+      g.epilogue = bias ? LtEpilogue::kReLUBias : LtEpilogue::kReLU;
+    } else if (act == Activation::kGELUTanh) {  // cuBLASLt's GELU is the tanh approximation
+      g.epilogue = store_pre ? (bias ? LtEpilogue::kGELUAuxBias : LtEpilogue::kGELUAux)
+                             : (bias ? LtEpilogue::kGELUBias : LtEpilogue::kGELU);
+      g.aux = store_pre ? pre.data_ptr() : nullptr;
+      g.aux_ld = store_pre ? N : 0;
+    } else if (act != Activation::kIdentity) {
+      fused = false;
     }
-    const LtGemm g{N, M, K, true, false, weight.data_ptr(), K, x.data_ptr(), K, y.data_ptr(), N, dtype, epi,
-                   bias ? bias->data_ptr() : nullptr, store_pre ? pre.data_ptr() : nullptr, store_pre ? N : 0};
-    if (try_lt(g, x)) return {y, pre};
+    if (fused && try_lt(g, x)) {
+      if (store_pre && act == Activation::kIdentity) pre.copy_(y);
+      return {y, pre};
+    }
+    // 2. GEMM + bias into z, then act(z) (in place when pre is not kept)
+    if (act != Activation::kIdentity) {
+      at::Tensor z = store_pre ? pre : y;
+      g = gemm;
+      g.d = z.data_ptr();
+      if (try_lt(g, x)) {
+        AMPK_CHECK_CUDA(
+            bias_act_forward(z.data_ptr(), nullptr, y.data_ptr(), nullptr, M, N, dtype, dtype, act, stream));
+        return {y, pre};
+      }
+    }
   }
-  // 2. torch's GEMM + bias into z (what F.linear runs), then act(z), in place when pre is not kept
-  at::Tensor z = store_pre ? pre : y;
-  if (bias) {
-    at::addmm_out(z, *bias, x, weight.t());
-  } else {
-    at::mm_out(z, x, weight.t());
-  }
-  if (act != Activation::kIdentity) {
-    AMPK_CHECK_CUDA(bias_act_forward(z.data_ptr(), nullptr, y.data_ptr(), nullptr, M, N, dtype, dtype, act,
-                                     at::cuda::getCurrentCUDAStream()));
-  } else if (store_pre) {
-    y.copy_(pre);
-  }
+  // fallback: cuBLAS at any alignment, then the fused bias + activation kernel
+  const at::Tensor z = x.mm(weight.t());
+  AMPK_CHECK_CUDA(bias_act_forward(z.data_ptr(), bias_ptr, y.data_ptr(), store_pre ? pre.data_ptr() : nullptr, M, N,
+                                   dtype, dtype, act, stream));
   return {y, pre};
 }
 
@@ -615,7 +631,7 @@ std::tuple<at::Tensor, at::Tensor> linear_act_fwd(const at::Tensor& x, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& dy, const at::Tensor& x,
                                                               const at::Tensor& weight, const at::Tensor& saved,
                                                               int64_t activation, bool need_dx, bool need_dw,
-                                                              bool need_db) {
+                                                              bool need_db, bool fuse) {
   constexpr const char* op = "linear_act_bwd_cuda";
   check_linear_inputs(x, weight, op);
   check_same_device(dy, x, op, "dy", "x");
@@ -628,6 +644,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& 
   const Activation act = to_activation(activation, op);
   const DType dtype = to_dtype(x.scalar_type(), op, "x");
   const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor dx = need_dx ? at::empty({M, K}, x.options()) : at::empty({0}, x.options());
   at::Tensor dw = need_dw ? at::empty({N, K}, x.options()) : at::empty({0}, x.options());
   at::Tensor db = need_db ? at::empty({N}, x.options()) : at::empty({0}, x.options());
@@ -646,16 +663,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_act_bwd(const at::Tensor& 
                 ": saved must match dy (", dy.sizes(), ", ", dy.scalar_type(), "), got ", saved.sizes(), ", ",
                 saved.scalar_type());
     dz = at::empty_like(dy);
-    if (need_db) {  // dbias from the act' pass
+    if (need_db) {  // dbias from the act' pass, not from BGRADB: cuBLASLt runs that as a kernel of its own
       act_grad_and_dbias(dy, saved, dz, act, db, op);
       db_done = true;
     } else {
       AMPK_CHECK_CUDA(act_backward(dy.data_ptr(), saved.data_ptr(), dz.data_ptr(), M * N, dtype, act, num_sms(),
-                                   at::cuda::getCurrentCUDAStream()));
+                                   stream));
     }
   }
-  if (need_dx) at::mm_out(dx, dz, weight);
-  if (need_dw) at::mm_out(dw, dz.t(), x);
+  const bool lt = fuse && lt_fusable(x, weight, N, K) && lt_aligned(dz);
+  if (need_dx) {
+    const LtGemm g{K, M, N, false, false, weight.data_ptr(), K, dz.data_ptr(), N, dx.data_ptr(), K, dtype,
+                   LtEpilogue::kDefault, nullptr, nullptr, 0};
+    if (!(lt && try_lt(g, x))) dx.copy_(dz.mm(weight));
+  }
+  if (need_dw) {
+    const bool bgrad = need_db && !db_done;  // identity: the bias gradient fused into this GEMM
+    LtGemm g{K, N, M, false, true, x.data_ptr(), K, dz.data_ptr(), N, dw.data_ptr(), K, dtype,
+             bgrad ? LtEpilogue::kBGradB : LtEpilogue::kDefault, bgrad ? db.data_ptr() : nullptr, nullptr, 0};
+    bool dw_done = lt && try_lt(g, x);
+    db_done = db_done || (bgrad && dw_done);
+    if (!dw_done && bgrad) {  // no BGRADB algorithm: the plain GEMM, dbias summed below
+      g.epilogue = LtEpilogue::kDefault;
+      g.bias = nullptr;
+      dw_done = lt && try_lt(g, x);
+    }
+    if (!dw_done) dw.copy_(dz.t().mm(x));
+  }
   if (need_db && !db_done) db.copy_(dz.sum(at::IntArrayRef{0}, false, at::kFloat));  // fp32 accumulation, fixed order
   return {dx, dw, db};
 }
@@ -699,7 +733,7 @@ TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
   m.def("linear_act_fwd_cuda(Tensor x, Tensor weight, Tensor? bias, int activation, bool store_pre, bool fuse)"
         " -> (Tensor y, Tensor pre)");
   m.def("linear_act_bwd_cuda(Tensor dy, Tensor x, Tensor weight, Tensor saved, int activation, bool need_dx,"
-        " bool need_dw, bool need_db) -> (Tensor dx, Tensor dweight, Tensor dbias)");
+        " bool need_dw, bool need_db, bool fuse) -> (Tensor dx, Tensor dweight, Tensor dbias)");
   m.def("linear_act_lt_plans_cuda() -> (int plans, int timed)", &linear_act_lt_plans);
   m.def("act_backward_cuda_(Tensor(a!) dy, Tensor saved, int activation, bool need_db) -> Tensor dbias");
 }
@@ -721,7 +755,7 @@ using LinearFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const 
                                                        const std::optional<at::Tensor>&, int64_t, bool, bool);
 using LinearBwdFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                    const at::Tensor&, const at::Tensor&, int64_t,
-                                                                   bool, bool, bool);
+                                                                   bool, bool, bool, bool);
 
 struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -754,7 +788,7 @@ struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
     const at::Tensor& x = saved[0];
     const at::Tensor s = saved[2].defined() ? as_rows(saved[2]) : at::empty({0}, dy.options());
     auto [dx, dw, db] = bwd.call(as_rows(dy.contiguous()), as_rows(x), saved[1], s,
-                                 ctx->saved_data["activation"].toInt(), need_dx, need_dw, need_db);
+                                 ctx->saved_data["activation"].toInt(), need_dx, need_dw, need_db, true);
     if (x.dim() != 2 && need_dx) dx = dx.view(x.sizes());
     const auto& gd = ctx->saved_data["grad_dtype"];
     if (!gd.isNone()) {
@@ -984,7 +1018,7 @@ struct FusedMLPTrain : public torch::autograd::Function<FusedMLPTrain> {
     {  // 1. layer 2's gradients from the recomputed h, freed before dh exists
       const at::Tensor h = std::get<0>(bias_act.call(pre, std::nullopt, activation, false));
       auto [unused, dw, db] = lin_bwd.call(dout, h, w2, at::empty({0}, dout.options()),
-                                           int64_t(Activation::kIdentity), false, true, need_db2);
+                                           int64_t(Activation::kIdentity), false, true, need_db2, true);
       dw2 = dw;
       db2 = db;
     }

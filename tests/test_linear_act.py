@@ -571,7 +571,7 @@ def test_extension_cpu_tensor_is_a_clear_error():
     with pytest.raises(RuntimeError, match="linear_act_fwd_cuda: x must be a CUDA tensor, got a tensor on cpu"):
         torch.ops.ampkernels.linear_act_fwd_cuda(x, w, b, 2, False, True)
     with pytest.raises(RuntimeError, match="linear_act_bwd_cuda: x must be a CUDA tensor"):
-        torch.ops.ampkernels.linear_act_bwd_cuda(x @ w.T, x, w, x @ w.T, 2, True, True, True)
+        torch.ops.ampkernels.linear_act_bwd_cuda(x @ w.T, x, w, x @ w.T, 2, True, True, True, True)
     with pytest.raises(RuntimeError, match="act_backward_cuda_: dy must be a CUDA tensor"):
         torch.ops.ampkernels.act_backward_cuda_(x @ w.T, x @ w.T, 2, True)
 
@@ -682,6 +682,13 @@ def test_gpu_cuda_fused_and_fallback_paths_agree(dtype, activation):
             assert_rel_close(y, ref, dtype, what=f"y fuse={fuse} store_pre={store_pre}")
             if store_pre:
                 assert_rel_close(pre, reference.linear_act(x.double(), w.double(), b.double(), "identity"), dtype)
+    dy, saved = torch.randn_like(ref, dtype=dtype), (x @ w.T + b)
+    if activation == "relu":
+        saved = torch.relu(saved)
+    outs = [torch.ops.ampkernels.linear_act_bwd_cuda(dy, x, w, saved, aid, True, True, True, fuse)
+            for fuse in (True, False)]
+    for a, c, name in zip(*outs, ("dx", "dW", "db")):
+        assert_rel_close(a, c.double(), dtype, factor=GRAD_FACTOR, what=f"{name} fused vs fallback")
 
 
 @pytest.mark.gpu
@@ -831,16 +838,16 @@ def test_gpu_lt_plans_are_cached():
 @pytest.mark.gpu
 def test_gpu_lt_times_a_few_token_counts_only():
     # variable-length training: a new token count every step must not time the candidates
-    # (a host sync and ~100 GEMMs) each time; after the first few, the nearest timed algorithm
+    # (a host sync and ~100 GEMMs) each time; after the first two, the nearest timed algorithm
     _, w, b = _inputs(8, 264, 392, torch.bfloat16, "cuda")
     plans, timed = torch.ops.ampkernels.linear_act_lt_plans_cuda()
     counts = (520, 1040, 600, 776, 1032, 48)
     for m in counts:
-        x = torch.randn(m, 264, device="cuda", dtype=torch.bfloat16)
-        _check(x, w, b, "gelu_tanh", "cuda")
+        _check(torch.randn(m, 264, device="cuda", dtype=torch.bfloat16), w, b, "gelu_tanh", "cuda")
     plans2, timed2 = torch.ops.ampkernels.linear_act_lt_plans_cuda()
-    assert timed2 - timed <= 2  # the training forward (GELU + aux + bias): 2 token counts timed
-    assert plans2 - plans >= len(counts)  # a plan per shape all the same
+    assert timed2 - timed <= 3 * 2  # forward (GELU + aux + bias), dx, dW: 2 token counts each
+    assert plans2 - plans >= 3 * len(counts)  # a plan per shape all the same
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
@@ -1013,7 +1020,7 @@ def reference_as_cuda_kernels(monkeypatch):
     yield from cuda_kernels_on_cpu(monkeypatch, {
         "linear_act_fwd_cuda": lambda x, w, b, act, store_pre, fuse:
             la.fwd_impl(x, w, b, reference.ACTIVATIONS[act], store_pre, "torch"),
-        "linear_act_bwd_cuda": lambda dy, x, w, saved, act, need_dx, need_dw, need_db:
+        "linear_act_bwd_cuda": lambda dy, x, w, saved, act, need_dx, need_dw, need_db, fuse:
             la.bwd_impl(dy, x, w, saved, reference.ACTIVATIONS[act], need_dx, need_dw, need_db, "torch")})
 
 

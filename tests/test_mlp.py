@@ -321,7 +321,7 @@ def reference_as_cuda_kernels(monkeypatch):
     name = reference.ACTIVATIONS.__getitem__
     yield from cuda_kernels_on_cpu(monkeypatch, {
         "linear_act_fwd_cuda": lambda x, w, b, act, store_pre, fuse: la.fwd_impl(x, w, b, name(act), store_pre, "torch"),
-        "linear_act_bwd_cuda": lambda dy, x, w, saved, act, need_dx, need_dw, need_db:
+        "linear_act_bwd_cuda": lambda dy, x, w, saved, act, need_dx, need_dw, need_db, fuse:
             la.bwd_impl(dy, x, w, saved, name(act), need_dx, need_dw, need_db, "torch"),
         "bias_act_fwd_cuda": lambda z, bias, act, store_pre: bias_act.fwd_impl(z, bias, name(act), store_pre, "torch"),
         "act_backward_cuda_": lambda dy, saved, act, need_db:
