@@ -24,13 +24,14 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
-#include <iterator>
 #include <map>
 #include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "activations.cuh"
 
@@ -74,6 +75,7 @@ struct Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
   std::string unsupported;  // non-empty: cuBLASLt has no algorithm for this key (cached too)
+  bool timed = false;       // the algorithm was picked by timing the candidates
 };
 
 // (device, transposes, leading dims, dtype, epilogue, bias, aux_ld, workspace, deterministic):
@@ -85,10 +87,9 @@ constexpr size_t kTimedShapes = 2;  // shapes timed per family (e.g. a training 
 
 std::mutex g_mutex;
 // never freed: a plan per shape, alive for the process (a few hundred bytes each; variable-length
-// training adds one per distinct token count)
+// training adds one per distinct token count). Ordered by family first: a family's plans are adjacent.
 std::map<Key, Plan> g_plans;
-// family -> m*n*k -> the algorithm timed for that shape (the shapes of a family differ in M alone)
-std::map<Family, std::map<double, cublasLtMatmulAlgo_t>> g_timed;
+using Timed = std::vector<std::pair<double, cublasLtMatmulAlgo_t>>;  // a family's timed plans: (m*n*k, algorithm)
 thread_local std::string g_error;
 
 cublasLtEpilogue_t to_lt(LtEpilogue e) {
@@ -182,23 +183,24 @@ int fastest_algo(const LtGemm& g, cublasLtHandle_t handle, const Plan& p,
   return best;
 }
 
-// The algorithm timed for the family's shape nearest to this one (by m*n*k), if cuBLASLt accepts it for this
-// plan's shape with the workspace at hand.
-bool nearest_timed_algo(const std::map<double, cublasLtMatmulAlgo_t>& timed, double volume, cublasLtHandle_t handle,
-                        const Plan& p, size_t workspace_size, cublasLtMatmulAlgo_t* algo) {
-  auto it = timed.lower_bound(volume);
-  if (it == timed.end() || (it != timed.begin() && volume - std::prev(it)->first < it->first - volume)) --it;
+// The algorithm timed for the family's shape nearest to this one (the shapes of a family differ
+// in M alone: by m*n*k), if cuBLASLt accepts it for this plan's shape with the workspace at hand.
+bool nearest_timed_algo(const Timed& timed, double volume, cublasLtHandle_t handle, const Plan& p,
+                        size_t workspace_size, cublasLtMatmulAlgo_t* algo) {
+  const auto nearest = std::min_element(timed.begin(), timed.end(), [&](const auto& x, const auto& y) {
+    return std::abs(x.first - volume) < std::abs(y.first - volume);
+  });
   cublasLtMatmulHeuristicResult_t check{};
-  if (cublasLtMatmulAlgoCheck(handle, p.desc, p.a, p.b, p.d, p.d, &it->second, &check) != CUBLAS_STATUS_SUCCESS ||
+  if (cublasLtMatmulAlgoCheck(handle, p.desc, p.a, p.b, p.d, p.d, &nearest->second, &check) != CUBLAS_STATUS_SUCCESS ||
       check.workspaceSize > workspace_size)
     return false;
-  *algo = it->second;
+  *algo = nearest->second;
   return true;
 }
 
-// timed: the family's timed algorithms (this plan's is added when it is timed)
+// timed: the family's plans whose algorithm was timed
 const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace, size_t workspace_size,
-                      cudaStream_t stream, std::map<double, cublasLtMatmulAlgo_t>& timed, Plan& p) {
+                      cudaStream_t stream, const Timed& timed, Plan& p) {
   const cudaDataType_t t = g.dtype == DType::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
   AMPK_LT(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -246,7 +248,7 @@ const char* make_plan(const LtGemm& g, cublasLtHandle_t handle, void* workspace,
   const int best = time_it ? fastest_algo(g, handle, p, results, found, workspace, workspace_size, stream) : 0;
   if (best < 0) return fail("cublasLtMatmul (no candidate algorithm launched)", CUBLAS_STATUS_NOT_SUPPORTED, g);
   p.algo = results[best].algo;
-  if (time_it) timed[volume] = p.algo;
+  p.timed = time_it;
   return nullptr;
 }
 
@@ -279,8 +281,13 @@ const char* lt_matmul(const LtGemm& g, void* handle_, void* workspace, size_t wo
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
+    const Family& family = std::get<0>(key);
+    Timed timed;
+    for (auto f = g_plans.lower_bound(Key{family, 0, 0, 0}); f != g_plans.end() && std::get<0>(f->first) == family; ++f)
+      if (f->second.timed)
+        timed.emplace_back(double(std::get<1>(f->first)) * std::get<2>(f->first) * std::get<3>(f->first), f->second.algo);
     Plan p;
-    if (const char* err = make_plan(g, handle, workspace, workspace_size, stream, g_timed[std::get<0>(key)], p)) {
+    if (const char* err = make_plan(g, handle, workspace, workspace_size, stream, timed, p)) {
       // no descriptor or no algorithm for this epilogue/shape: remembered, so the caller's
       // unfused path costs no heuristic query on later calls
       destroy(p);
@@ -333,7 +340,7 @@ cudaError_t act_backward(const void* dy, const void* saved, void* dz, int64_t nu
 std::pair<size_t, size_t> lt_cached_plans() {
   std::lock_guard<std::mutex> lock(g_mutex);
   size_t timed = 0;
-  for (const auto& [family, shapes] : g_timed) timed += shapes.size();
+  for (const auto& [key, plan] : g_plans) timed += plan.timed;
   return {g_plans.size(), timed};
 }
 
