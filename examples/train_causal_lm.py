@@ -14,6 +14,7 @@ converted and unconverted runs from the same seed give the same losses.
 """
 import argparse
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -82,6 +83,20 @@ def peak_memory_gib(device):
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = setup_distributed(args.device)
+    summary = train(args, rank, world, device)
+    if world > 1:
+        # every rank past its last collective, and its DDP model (whose reducer holds the group's
+        # work objects) freed with train's frame, before any rank tears the group down: a rank
+        # aborted in gloo's teardown ("terminate called without an active exception") after
+        # complete 2-process runs
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def train(args, rank, world, device):
+    """The training loop; returns the run's summary (written to --json by rank 0)."""
     say = print if rank == 0 else (lambda *a, **k: None)
     batch = args.batch_size or (4 if args.tiny else 8)
     seq = args.seq_len or (32 if args.tiny else 1024)
@@ -150,12 +165,6 @@ def main(argv=None):
     if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
-    if world > 1:
-        # every rank past its last collective before any tears the group down: a rank whose
-        # peer had already exited once aborted in gloo's teardown ("terminate called without an
-        # active exception") after a complete run
-        dist.barrier()
-        dist.destroy_process_group()
     return summary
 
 
