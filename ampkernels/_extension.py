@@ -17,6 +17,7 @@ from . import _build_env
 log = logging.getLogger("ampkernels")
 _lock = threading.Lock()
 _state = {"loaded": None, "reason": "not loaded yet", "how": None}
+_on_load = []
 
 
 def _jit_build():
@@ -61,7 +62,26 @@ def load():
                     reason = f"first-use build failed: {type(jit_error).__name__}: {str(jit_error)[:400]}"
             if not _state["loaded"]:
                 _state.update(loaded=False, reason=f"ampkernels._C not importable ({prebuilt_error}); {reason}")
+        if _state["loaded"]:
+            for fn in _on_load:
+                fn()
         return _state["loaded"]
+
+
+def loaded():
+    """load(), answered without the lock once known (a per-call question of the ops)."""
+    done = _state["loaded"]
+    return load() if done is None else done
+
+
+def on_load(fn):
+    """Run fn() once the extension's ops exist: now if loaded, else when load() succeeds (the ops
+    modules register the fakes of the extension's ops this way)."""
+    with _lock:
+        if not _state["loaded"]:
+            _on_load.append(fn)
+            return
+    fn()
 
 
 def status():

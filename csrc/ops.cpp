@@ -346,13 +346,16 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
   m.impl("norm_bwd_cuda", &norm_bwd);
 }
 
-// ---------------------------------------------------------------- norm training op, autograd in C++
+// ---------------------------------------------------------------- norm: the op the norms call
 
-// norm_train_cuda = norm_fwd_cuda with its backward registered here, so that an eager training
-// step runs no Python per norm in either pass (a Python autograd Function cost ~50 us of host
-// per forward and ~100 us per backward, more than the kernels at most shapes). The two passes
-// go through the dispatcher to norm_fwd_cuda / norm_bwd_cuda, so that a test can stand the
-// reference in for the kernels on CPU and check this wiring there.
+// ampkernels::norm is what layer_norm / rms_norm call on a kernel backend, eager and under
+// torch.compile alike: its schema and autograd are here, so that a training step runs no Python
+// per norm in either pass (a Python autograd Function cost ~50 us of host per forward and ~100 us
+// per backward, more than the kernels at most shapes). Its passes reach the kernels through the
+// dispatcher, as the ops norm_{fwd,bwd}_<backend>: "cuda" above, "triton" registered by
+// ampkernels/ops/layer_norm.py (which also gives every one of these ops its fake). So fake
+// tensors trace it, each pass may run on another backend, and a test can stand the reference in
+// for the kernels on CPU.
 using NormFwdFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, double, bool, std::optional<at::ScalarType>, bool, bool);
@@ -391,7 +394,45 @@ at::Tensor like_rows_of(const at::Tensor& out, const at::Tensor& x) {
   return reshaped_output(out, shape);
 }
 
-// The contract of ampkernels/ops/layer_norm.py's NormFunction: the backward re-reads what was
+// The kernels of one backend. A static handle each: found once (the triton ops on their first use).
+c10::TypedOperatorHandle<NormFwdFn> norm_fwd_op(c10::string_view backend) {
+  if (backend == "cuda") {
+    static const auto op = typed_op<NormFwdFn>("ampkernels::norm_fwd_cuda");
+    return op;
+  }
+  TORCH_CHECK(backend == "triton", "norm: fwd_backend must be \"cuda\" or \"triton\", got \"", backend, "\"");
+  static const auto op = typed_op<NormFwdFn>("ampkernels::norm_fwd_triton");
+  return op;
+}
+
+c10::TypedOperatorHandle<NormBwdFn> norm_bwd_op(c10::string_view backend) {
+  if (backend == "cuda") {
+    static const auto op = typed_op<NormBwdFn>("ampkernels::norm_bwd_cuda");
+    return op;
+  }
+  TORCH_CHECK(backend == "triton", "norm: bwd_backend must be \"cuda\" or \"triton\", got \"", backend, "\"");
+  static const auto op = typed_op<NormBwdFn>("ampkernels::norm_bwd_triton");
+  return op;
+}
+
+// The forward alone (inference: nothing saved, so no mean/rstd written, 8 bytes a row).
+std::tuple<at::Tensor, at::Tensor> norm_forward_only(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                                     const std::optional<at::Tensor>& bias,
+                                                     const std::optional<at::Tensor>& residual, double eps,
+                                                     bool is_rms, std::optional<at::ScalarType> out_dtype,
+                                                     bool residual_in_fp32, c10::string_view fwd_backend,
+                                                     c10::string_view bwd_backend) {
+  (void)bwd_backend;
+  std::optional<at::Tensor> bias_k = bias;
+  if (bias && weight && bias->scalar_type() != weight->scalar_type()) bias_k = bias->to(weight->scalar_type());
+  const std::optional<at::Tensor> residual2 = residual ? std::optional<at::Tensor>(as_rows(*residual)) : std::nullopt;
+  auto [out, res_out, mean, rstd] = norm_fwd_op(fwd_backend)
+                                        .call(as_rows(x), weight, bias_k, residual2, eps, is_rms, out_dtype,
+                                              residual_in_fp32, false);
+  return {like_rows_of(out, x), residual ? like_rows_of(res_out, x) : res_out};
+}
+
+// The contract (docs/design.md, layer_norm): the backward re-reads what was
 // normalised (x, or the stored residual sum), dbias comes back in bias's dtype, dresidual in the
 // residual's (dx itself when that is x's), and an unused `out` gets a zero gradient.
 struct NormTrain : public torch::autograd::Function<NormTrain> {
@@ -399,23 +440,25 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
                                                 const std::optional<at::Tensor>& weight,
                                                 const std::optional<at::Tensor>& bias,
                                                 const std::optional<at::Tensor>& residual, double eps, bool is_rms,
-                                                std::optional<at::ScalarType> out_dtype, bool residual_in_fp32) {
+                                                std::optional<at::ScalarType> out_dtype, bool residual_in_fp32,
+                                                c10::string_view fwd_backend, c10::string_view bwd_backend) {
     std::optional<at::Tensor> bias_k = bias;
     if (bias && weight && bias->scalar_type() != weight->scalar_type()) {
       bias_k = bias->to(weight->scalar_type());  // the kernels take one param dtype
     }
-    static const auto fwd = typed_op<NormFwdFn>("ampkernels::norm_fwd_cuda");
     // x (and residual) of any rank, contiguous, normalised over the last dim: the kernels see rows
     // (views made here, below autograd, add no nodes); what is saved is the input or the returned
     // output itself, whose version counter catches in-place edits before backward.
     const std::optional<at::Tensor> residual2 = residual ? std::optional<at::Tensor>(as_rows(*residual)) : std::nullopt;
-    auto [out, res_out, mean, rstd] =
-        fwd.call(as_rows(x), weight, bias_k, residual2, eps, is_rms, out_dtype, residual_in_fp32, true);
+    auto [out, res_out, mean, rstd] = norm_fwd_op(fwd_backend)
+                                          .call(as_rows(x), weight, bias_k, residual2, eps, is_rms, out_dtype,
+                                                residual_in_fp32, true);
     out = like_rows_of(out, x);
     if (residual) res_out = like_rows_of(res_out, x);
     ctx->save_for_backward({residual ? res_out : x, weight ? *weight : at::Tensor(), mean, rstd});
     ctx->set_materialize_grads(false);
     ctx->saved_data["is_rms"] = is_rms;
+    ctx->saved_data["bwd_backend"] = std::string(bwd_backend);
     ctx->saved_data["x_dtype"] = x.scalar_type();
     ctx->saved_data["out_dtype"] = out.scalar_type();
     ctx->saved_data["residual_dtype"] =
@@ -455,9 +498,8 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     };
     const bool want_dw = needs("weight_edge");
     const bool want_db = needs("bias_edge");
-    static const auto bwd = typed_op<NormBwdFn>("ampkernels::norm_bwd_cuda");
     const auto rows = [](const at::Tensor& t) { return as_rows(t.contiguous()); };
-    auto [dx, dres, dw, db] = bwd.call(
+    auto [dx, dres, dw, db] = norm_bwd_op(ctx->saved_data["bwd_backend"].toStringRef()).call(
         rows(dout), as_rows(x), weight, saved[2], saved[3],
         dres_out.defined() ? std::optional<at::Tensor>(rows(dres_out)) : std::nullopt, is_rms, want_dw,
         want_db, x_dtype, residual_dtype, param_dtype);
@@ -469,24 +511,37 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     if (needs("residual_edge")) grad_res = *residual_dtype != x_dtype ? dres : dx;
     return {ctx->needs_input_grad(0) ? dx : at::Tensor(), want_dw ? dw : at::Tensor(),
             want_db ? db.to(bias_iv.toScalarType()) : at::Tensor(), grad_res, at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> norm_train(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                                              const std::optional<at::Tensor>& bias,
-                                              const std::optional<at::Tensor>& residual, double eps, bool is_rms,
-                                              std::optional<at::ScalarType> out_dtype, bool residual_in_fp32) {
-  auto outs = NormTrain::apply(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32);
+std::tuple<at::Tensor, at::Tensor> norm_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                                 const std::optional<at::Tensor>& bias,
+                                                 const std::optional<at::Tensor>& residual, double eps, bool is_rms,
+                                                 std::optional<at::ScalarType> out_dtype, bool residual_in_fp32,
+                                                 c10::string_view fwd_backend, c10::string_view bwd_backend) {
+  const auto grad = [](const std::optional<at::Tensor>& t) { return t && t->requires_grad(); };
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || grad(weight) || grad(bias) || grad(residual))) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return norm_forward_only(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend,
+                             bwd_backend);
+  }
+  auto outs = NormTrain::apply(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend,
+                               bwd_backend);
   return {outs[0], outs[1]};
 }
 
 TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
-  m.def("norm_train_cuda(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool is_rms, "
-        "ScalarType? out_dtype, bool residual_in_fp32) -> (Tensor out, Tensor residual_out)");
+  m.def("norm(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool is_rms, "
+        "ScalarType? out_dtype, bool residual_in_fp32, str fwd_backend, str bwd_backend) -> "
+        "(Tensor out, Tensor residual_out)");
 }
 TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
-  m.impl("norm_train_cuda", &norm_train);
+  m.impl("norm", &norm_autograd);
+}
+// below autograd (inference mode, a tensor subclass's dispatch): the forward alone
+TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
+  m.impl("norm", &norm_forward_only);
 }
 
 // ---------------------------------------------------------------- linear_act
@@ -746,7 +801,7 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
 // ---------------------------------------------------------------- linear_act training op, autograd in C++
 
 // linear_act_train_cuda = linear_act_fwd_cuda with its backward registered here (as
-// norm_train_cuda: no Python per call in either pass), for the calls whose Python Function
+// ampkernels::norm: no Python per call in either pass), for the calls whose Python Function
 // would run the cuda kernels in both passes: not recompute, and not identity with master
 // weights (that one takes torch's GEMM for an fp32 dweight; ampkernels/ops/linear_act.py).
 // cast_to: the compute dtype when weight and bias are fp32 master weights under autocast; they

@@ -33,14 +33,14 @@ import torch
 import ampkernels
 from ampkernels import backends, reference
 from tests.test_layer_norm import GRAD_FACTOR, _assert_column_sum_close, _xhat64
-from tests.utils import TOL, assert_rel_close
+from tests.utils import TOL, assert_rel_close, needs_norm_triton
 
 HAS_CUDA = torch.cuda.is_available()
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 ALL = (F16, BF16, F32)
 CPU_DTYPES = (F16, F32)  # the Triton interpreter's (bf16 gives garbage there)
 FULL = os.environ.get("AMPKERNELS_COMBOS_FULL", "0") == "1"
-needs_triton = pytest.mark.skipif(not backends._available("triton")[0], reason="triton unavailable")
+needs_triton = needs_norm_triton
 SHORT = {F16: "fp16", BF16: "bf16", F32: "fp32", None: "-"}
 
 
@@ -289,14 +289,18 @@ def test_grid_and_cover():
             assert {getattr(c, attr) for c in cover} == {getattr(c, attr) for c in full}
 
 
-@pytest.mark.xfail(strict=True, reason="the backward differentiates at the stored (rounded) sum with the unrounded "
-                   "sum's mean/rstd: LayerNorm rows whose spread is below the sum's rounding (N = 1) get garbage dx")
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+_ROUNDED_SUM = pytest.mark.xfail(
+    strict=True, reason="the kernels' backward differentiates at the stored (rounded) sum with the unrounded sum's "
+    "mean/rstd: LayerNorm rows whose spread is below the sum's rounding (N = 1) get garbage dx")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=[needs_triton, _ROUNDED_SUM])])
 def test_layer_norm_16bit_stored_residual_sum_of_one_element(backend):
     # Found by tests/test_fuzz.py. With residual_in_fp32=False and 16-bit x, the forward
-    # normalises the unrounded fp32 sum s (mean = s, rstd = 1/sqrt(eps) at N = 1) but saves s
-    # rounded to x's dtype; the backward's xhat = (round(s) - mean) * rstd is then the rounding
-    # error times 1/sqrt(eps) (~0.5 at eps 1e-6), not 0, and dx = -dy * xhat^2 * rstd instead of 0.
+    # normalises the unrounded fp32 sum s (mean = s, rstd = 1/sqrt(eps) at N = 1) but the kernels
+    # save s rounded to x's dtype; their backward's xhat = (round(s) - mean) * rstd is then the
+    # rounding error times 1/sqrt(eps) (~0.5 at eps 1e-6), not 0, and dx = -dy * xhat^2 * rstd
+    # instead of 0. The torch backend's autograd differentiates at the unrounded sum.
     if backend == "triton":
         _cpu_only()
     gen = torch.Generator().manual_seed(0)

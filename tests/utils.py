@@ -1,5 +1,12 @@
 """Shared test helpers: relative-error checks against float64 references."""
+import pytest
 import torch
+
+from ampkernels import _extension, backends
+
+# the norms' kernel backends run through the extension's op (ampkernels::norm)
+needs_norm_triton = pytest.mark.skipif(not (backends._available("triton")[0] and _extension.load()),
+                                       reason="triton unavailable, or the extension (the norms' op) not built")
 
 # ‖out − ref‖ / ‖ref‖ bounds (docs/design.md).
 TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5, torch.float64: 1e-12}
@@ -33,9 +40,6 @@ def cuda_kernels_on_cpu(monkeypatch, impls):
     """Generator for a fixture: each op of `impls` ({"norm_fwd_cuda": fn, ...}) gets fn as its CPU
     kernel and "cuda" is chosen on CPU, so that the C++ autograd of the *_train_cuda ops, which
     reach the kernels through the dispatcher, and the Python that routes to it run on CPU."""
-    import pytest
-
-    from ampkernels import _extension, backends
     if not _extension.load():
         pytest.skip(f"extension not built here: {_extension.status()[1]}")
     lib = torch.library.Library("ampkernels", "IMPL")

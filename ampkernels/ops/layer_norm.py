@@ -1,18 +1,20 @@
 """layer_norm and rms_norm: FP32-accumulating LayerNorm / RMSNorm, forward and backward.
 
 One implementation serves both norms (is_rms: no mean, no bias). Backends: "cuda"
-(csrc/layer_norm.cu through torch.ops.ampkernels.norm_{fwd,bwd}_cuda), "triton"
-(ampkernels/triton/layer_norm.py) and "torch" (ampkernels/reference.py).
+(csrc/layer_norm.cu), "triton" (ampkernels/triton/layer_norm.py) and "torch" (torch's own ops,
+with torch's autograd: what inductor traces under torch.compile).
 
 Contract (docs/design.md): statistics and normalisation in fp32; mean/rstd saved in
 fp32; output in x.dtype unless out_dtype says otherwise; weight/bias in x.dtype or fp32 (the
 AMP case), their grads accumulated in fp32 with a fixed-order reduction (bitwise repeatable)
 and returned in their own dtype; with a residual, the unrounded sum x + residual is
 normalised and returned too (fp32 if residual_in_fp32 else x.dtype), and gradients flow to
-both inputs. Under autocast the op keeps the activation dtype (custom_fwd, no cast).
+both inputs. Under autocast the op keeps the activation dtype (autocast does not cast it).
 
-Pieces, in the order data meets them: custom ops (forward, backward) with fake
-implementations -> autograd Function (custom_fwd/custom_bwd) -> functional API.
+One op, eager and compiled: `torch.ops.ampkernels.norm` (csrc/ops.cpp: its schema and its
+autograd, in C++ so that neither pass runs Python per call) with the kernels of each pass
+as the ops norm_{fwd,bwd}_cuda (the extension) and norm_{fwd,bwd}_triton (registered here).
+Their fakes are here, one per pass for every backend. The kernel backends need the extension.
 """
 import math
 from typing import Optional
@@ -21,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import backends, reference
-from .shared import eager_call
+from .. import _extension, backends, reference
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -33,80 +34,27 @@ def _triton():
 
 
 def _stat_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32  # float64: reference only
+    return torch.float64 if x.dtype == torch.float64 else torch.float32  # float64: the torch backend only
 
 
-def _fwd_impl(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats, backend):
-    if backend == "cuda":
-        return torch.ops.ampkernels.norm_fwd_cuda(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32,
-                                                  want_stats)
-    if backend == "triton":
-        return _triton().norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats)
-    out, res_out, mean, rstd = reference.norm_forward(x, weight, bias, eps, residual=residual,
-                                                      residual_in_fp32=residual_in_fp32, out_dtype=out_dtype,
-                                                      is_rms=is_rms)
-    def stat(t):  # a tensor of its own each (custom-op outputs must not alias)
-        return t.contiguous() if t is not None and want_stats else x.new_empty(0, dtype=_stat_dtype(x))
-    return out, x.new_empty(0) if res_out is None else res_out, stat(mean), stat(rstd)
+# ---------------------------------------------------------------- the kernels of one pass, per backend
 
-
-@torch.library.custom_op("ampkernels::norm_fwd", mutates_args=())
-def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
-             is_rms: bool, out_dtype: Optional[torch.dtype], residual_in_fp32: bool, want_stats: bool,
-             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out, residual_out, mean, rstd) for a 2-D contiguous x; absent outputs are empty (mean
-    and rstd without want_stats: the kernels then write neither)."""
-    return _fwd_impl(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats, backend)
-
-
-@norm_fwd.register_fake
-def _(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats, backend):
+def _fwd_fake(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats=True):
+    """(out, residual_out, mean, rstd) of 2-D x; absent outputs are empty (mean and rstd without
+    want_stats: the kernels then write neither)."""
     rows = x.shape[0]
-    stat = _stat_dtype(x)
-    if residual is None:
-        res_out = x.new_empty(0)
-    else:
-        res_out = x.new_empty(x.shape, dtype=torch.float32 if residual_in_fp32 and stat == torch.float32 else x.dtype)
+    res_out = x.new_empty(0) if residual is None else \
+        x.new_empty(x.shape, dtype=torch.float32 if residual_in_fp32 else x.dtype)
     return (x.new_empty(x.shape, dtype=out_dtype or x.dtype), res_out,
-            x.new_empty(0 if is_rms or not want_stats else rows, dtype=stat),
-            x.new_empty(rows if want_stats else 0, dtype=stat))
+            x.new_empty(0 if is_rms or not want_stats else rows, dtype=torch.float32),
+            x.new_empty(rows if want_stats else 0, dtype=torch.float32))
 
 
-def _bwd_impl(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype,
-              dresidual_dtype, param_dtype, backend):
-    if backend == "cuda":
-        return torch.ops.ampkernels.norm_bwd_cuda(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight,
-                                                  want_dbias, dx_dtype, dresidual_dtype, param_dtype)
-    if backend == "triton":
-        return _triton().norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias,
-                                  dx_dtype, dresidual_dtype, param_dtype)
-    ct = _stat_dtype(x)
-    dx, dw, db = reference.norm_backward(dy, x, weight, None if is_rms else mean, rstd, dresidual_out=dresidual_out,
-                                         is_rms=is_rms, want_dweight=want_dweight, want_dbias=want_dbias,
-                                         dx_dtype=ct, param_dtype=param_dtype)
-    dres = x.new_empty(0)
-    if dresidual_dtype is not None and dresidual_dtype != dx_dtype:
-        dres = dx.to(dresidual_dtype, copy=True)
-    pd = param_dtype or (weight.dtype if weight is not None else x.dtype)
-    return (dx.to(dx_dtype, copy=True), dres, x.new_empty(0, dtype=pd) if dw is None else dw,
-            x.new_empty(0, dtype=pd) if db is None else db)
-
-
-@torch.library.custom_op("ampkernels::norm_bwd", mutates_args=())
-def norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
-             dresidual_out: Optional[Tensor], is_rms: bool, want_dweight: bool, want_dbias: bool,
-             dx_dtype: torch.dtype, dresidual_dtype: Optional[torch.dtype], param_dtype: Optional[torch.dtype],
-             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dresidual, dweight, dbias). x is what the forward normalised (x or the residual
-    sum). dresidual is empty unless its dtype differs from dx's (then dx serves for both);
+def _bwd_fake(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype, dresidual_dtype,
+              param_dtype):
+    """(dx, dresidual, dweight, dbias). x is what the forward normalised (x or the residual sum).
+    dresidual is empty unless its dtype differs from dx's (then dx serves for both);
     dweight/dbias are empty unless asked for."""
-    return _bwd_impl(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype,
-                     dresidual_dtype, param_dtype, backend)
-
-
-@norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype, dresidual_dtype,
-      param_dtype, backend):
     n = x.shape[1]
     pd = param_dtype or (weight.dtype if weight is not None else x.dtype)
     dres = x.new_empty(0)
@@ -116,57 +64,39 @@ def _(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias
             x.new_empty(n if want_dbias else 0, dtype=pd))
 
 
-# Eager calls skip the custom-op dispatcher (tens of microseconds of host time per call, as
-# much as a 2^27-element kernel takes); torch.compile and opcheck see the custom ops.
-def _fwd_op():
-    return torch.ops.ampkernels.norm_fwd if torch.compiler.is_compiling() else _fwd_impl
+@torch.library.custom_op("ampkernels::norm_fwd_triton", mutates_args=())
+def norm_fwd_triton(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                    eps: float, is_rms: bool, out_dtype: Optional[torch.dtype], residual_in_fp32: bool,
+                    want_stats: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _triton().norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats)
 
 
-def _bwd_op():
-    return torch.ops.ampkernels.norm_bwd if torch.compiler.is_compiling() else _bwd_impl
+@torch.library.custom_op("ampkernels::norm_bwd_triton", mutates_args=())
+def norm_bwd_triton(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
+                    dresidual_out: Optional[Tensor], is_rms: bool, want_dweight: bool, want_dbias: bool,
+                    dx_dtype: torch.dtype, dresidual_dtype: Optional[torch.dtype],
+                    param_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _triton().norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype,
+                              dresidual_dtype, param_dtype)
 
 
-class NormFunction(torch.autograd.Function):
-    """out = norm(x [+ residual]) over the last dim of 2-D contiguous tensors; returns out, or
-    (out, residual_out) when a residual is given. backend runs the forward, bwd_backend the
-    backward (the same one unless "auto" chose per pass)."""
+norm_fwd_triton.register_fake(_fwd_fake)
+norm_bwd_triton.register_fake(_bwd_fake)
 
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, backend, bwd_backend):
-        bias_k = bias
-        if bias is not None and weight is not None and bias.dtype != weight.dtype:
-            bias_k = bias.to(weight.dtype)  # the kernels take one param dtype; dbias goes back to bias.dtype
-        out, res_out, mean, rstd = _fwd_op()(x, weight, bias_k, residual, eps, is_rms, out_dtype, residual_in_fp32,
-                                             True, backend)
-        # backward re-reads what was normalised: x, or the stored residual sum
-        ctx.save_for_backward(res_out if residual is not None else x, weight, mean, rstd)
-        ctx.set_materialize_grads(False)
-        ctx.is_rms, ctx.backend, ctx.x_dtype, ctx.out_dtype = is_rms, bwd_backend, x.dtype, out.dtype
-        ctx.has_residual = residual is not None
-        ctx.residual_dtype = residual.dtype if residual is not None else None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.param_dtype = weight.dtype if weight is not None else ctx.bias_dtype
-        if residual is not None:
-            return out, res_out
-        return out
 
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, dout, dres_out=None):
-        x, weight, mean, rstd = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros(x.shape, dtype=ctx.out_dtype, device=x.device)  # only residual_out was used
-        want_dw = weight is not None and ctx.needs_input_grad[1]
-        want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        dx, dres, dw, db = _bwd_op()(
-            dout.contiguous(), x, weight, mean, rstd, None if dres_out is None else dres_out.contiguous(),
-            ctx.is_rms, want_dw, want_db, ctx.x_dtype, ctx.residual_dtype, ctx.param_dtype, ctx.backend)
-        grad_res = None
-        if ctx.has_residual and ctx.needs_input_grad[3]:
-            grad_res = dres if ctx.residual_dtype != ctx.x_dtype else dx
-        return (dx if ctx.needs_input_grad[0] else None, dw if want_dw else None,
-                db.to(ctx.bias_dtype) if want_db else None, grad_res, None, None, None, None, None, None)
+def _norm_fake(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend, bwd_backend):
+    res_out = x.new_empty(0) if residual is None else \
+        x.new_empty(x.shape, dtype=torch.float32 if residual_in_fp32 else x.dtype)
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), res_out
+
+
+def _register_extension_fakes():
+    torch.library.register_fake("ampkernels::norm_fwd_cuda")(_fwd_fake)
+    torch.library.register_fake("ampkernels::norm_bwd_cuda")(_bwd_fake)
+    torch.library.register_fake("ampkernels::norm")(_norm_fake)
+
+
+_extension.on_load(_register_extension_fakes)
 
 
 _HOST_BOUND_ELEMENTS = 1 << 25
@@ -186,7 +116,7 @@ def _preferences(x, param_dtype, compiling):
       host 100-160 us against 35-55 us for the extension, so as called they follow host jitter;
     - below 2^25 elements CUDA whatever the pass: there a kernel takes less GPU time than
       Triton's Python launcher costs the host;
-    - under torch.compile: "torch", which hands the op to inductor (_traced_norm): as opaque
+    - under torch.compile: "torch", which hands the op to inductor (_torch_norm): as opaque
       custom ops our kernels lost whole compiled training steps to it.
     """
     if compiling:
@@ -196,9 +126,19 @@ def _preferences(x, param_dtype, compiling):
     return _TRITON_FIRST, _CUDA_FIRST
 
 
-def _traced_norm(x, shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms):
-    """The op as torch's own norms compute it, for inductor to trace: the same kernels, forward
-    and backward, that it makes of the unconverted model, with the contract's dtypes."""
+def _torch_norm(x, shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms, compiling):
+    """The "torch" backend: torch ops with torch's autograd, in the contract's dtypes. Eager, the
+    reference's math (exact where it can be: a row of one element normalises to 0); under
+    torch.compile, the op as torch's own norms compute it, which inductor traces into the kernels,
+    forward and backward, that it makes of the unconverted model."""
+    if not compiling:
+        n = math.prod(shape)
+        w, b = (None if p is None else p.reshape(n) for p in (weight, bias))
+        out, s, _, _ = reference.norm_forward(x.reshape(-1, n), w, b, eps,
+                                              residual=None if residual is None else residual.reshape(-1, n),
+                                              residual_in_fp32=residual_in_fp32, out_dtype=out_dtype, is_rms=is_rms)
+        out = out.reshape(x.shape)
+        return out if residual is None else (out, s.reshape(x.shape))
     ct = _stat_dtype(x)
     s = x.to(ct) if residual is None else x.to(ct) + residual.to(ct)
     w, b = (None if p is None else p.to(ct) for p in (weight, bias))
@@ -225,7 +165,7 @@ def _check_param(op, name, p, shape, device):
 
 
 def _unsupported(x, n, out_dtype, residual, weight, bias):
-    """Why the kernels cannot take this call (the torch reference then runs), or None."""
+    """Why the kernels cannot take this call (the torch backend then runs), or None."""
     if x.dtype not in _DTYPES:
         return f"x dtype {x.dtype} is not one of {_DTYPES}"
     if n == 0:
@@ -237,6 +177,8 @@ def _unsupported(x, n, out_dtype, residual, weight, bias):
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and p.dtype not in (x.dtype, torch.float32):
             return f"{name} dtype {p.dtype} is neither x's ({x.dtype}) nor float32"
+    if not _extension.loaded():
+        return f"the norm kernels run through ampkernels._C, which is not loaded ({_extension.status()[1]})"
     return None
 
 
@@ -273,35 +215,20 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
     name = backends.select(op, backend, device, fwd_pref, unsupported)
     bwd_name = name if bwd_pref == fwd_pref else backends.select(op, backend, device, bwd_pref, unsupported)
 
-    if compiling and name == bwd_name == "torch":
-        return _traced_norm(x, shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms)
+    if name == "torch" or bwd_name == "torch":  # both, as the preferences are made
+        return _torch_norm(x, shape, weight, bias, eps, residual, residual_in_fp32, out_dtype, is_rms, compiling)
 
     w2 = weight if weight is None or (nd == 1 and weight.is_contiguous()) else weight.reshape(-1).contiguous()
     b2 = bias if bias is None or (nd == 1 and bias.is_contiguous()) else bias.reshape(-1).contiguous()
-    eps, residual_in_fp32 = float(eps), bool(residual_in_fp32)
-    training = torch.is_grad_enabled() and (x.requires_grad or (w2 is not None and w2.requires_grad) or
-                                            (b2 is not None and b2.requires_grad) or
-                                            (residual is not None and residual.requires_grad))
-    # the kernels read contiguous rows: x as it is when it is made of them (of any rank for the C++
-    # autograd), else a contiguous (rows, n) copy (strided views are copied, never read wrongly)
+    # the kernels read contiguous rows: x as it is when it is made of them (of any rank: the op
+    # views its rows below autograd, adding no nodes), else a contiguous (rows, n) copy (strided
+    # views are copied, never read wrongly); rows under torch.compile, where the op's outputs
+    # are traced as fresh tensors
     rows_ok = nd == 1 and x.is_contiguous() and (residual is None or residual.is_contiguous())
-    xk = x if rows_ok else x.reshape(-1, n).contiguous()
-    resk = residual if rows_ok or residual is None else residual.reshape(-1, n).contiguous()
-    if training and name == bwd_name == "cuda" and eager_call(xk, w2, b2, resk):
-        # autograd in C++ (csrc/ops.cpp): neither pass runs Python per call, and no reshape adds
-        # autograd nodes around it
-        out, res_out = torch.ops.ampkernels.norm_train_cuda.default(xk, w2, b2, resk, eps, is_rms, out_dtype,
-                                                                    residual_in_fp32)
-    else:
-        if xk.dim() != 2:  # the custom ops and the Function take 2-D rows
-            xk, resk = xk.view(-1, n), None if resk is None else resk.view(-1, n)
-        if training:
-            result = NormFunction.apply(xk, w2, b2, resk, eps, is_rms, out_dtype, residual_in_fp32, name, bwd_name)
-            out, res_out = (result, None) if resk is None else result
-        else:  # inference: the forward alone, nothing saved (no mean/rstd written: 8 bytes a row)
-            if b2 is not None and w2 is not None and b2.dtype != w2.dtype:
-                b2 = b2.to(w2.dtype)
-            out, res_out, _, _ = _fwd_op()(xk, w2, b2, resk, eps, is_rms, out_dtype, residual_in_fp32, False, name)
+    xk = x if rows_ok and not compiling else x.reshape(-1, n).contiguous()
+    resk = residual if residual is None or xk is x else residual.reshape(-1, n).contiguous()
+    out, res_out = torch.ops.ampkernels.norm.default(xk, w2, b2, resk, float(eps), is_rms, out_dtype,
+                                                     bool(residual_in_fp32), name, bwd_name)
     if xk is not x:  # only then: a view would add an autograd node per call
         out = out.reshape(x.shape)
         res_out = None if residual is None else res_out.reshape(x.shape)
