@@ -45,8 +45,31 @@ def test_bad_bias_shape_is_a_clear_error():
 
 def test_opcheck_cpu():
     z, b = randn(6, 10), randn(10)
-    torch.library.opcheck(torch.ops.ampkernels.bias_act_fwd.default, (z, b, "gelu", True, "torch"))
+    fwd = torch.ops.ampkernels.bias_act_fwd.default
+    torch.library.opcheck(fwd, (z, b, "gelu", True, "torch"))
+    torch.library.opcheck(fwd, (z.detach().requires_grad_(), b.detach().requires_grad_(), "silu", True, "torch"))
     torch.library.opcheck(torch.ops.ampkernels.bias_act_bwd.default, (z, z.clone(), "gelu", torch.float32, "torch"))
+
+
+def test_compile_fullgraph_cpu():
+    # the same op and autograd eager and traced
+    z, b = randn(5, 24, requires_grad=True), randn(24, requires_grad=True)
+    fn = torch.compile(lambda z, b: ampkernels.bias_act(z, b, "gelu_tanh", backend="torch").square().sum(),
+                       fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    fn(z, b).backward()
+    got = z.grad.clone(), b.grad.clone()
+    z.grad = b.grad = None
+    ampkernels.bias_act(z, b, "gelu_tanh", backend="torch").square().sum().backward()
+    assert torch.equal(got[0], z.grad) and torch.equal(got[1], b.grad)
+
+
+def test_inference_keeps_no_pre():
+    z, b = randn(4, 16), randn(16)
+    with torch.no_grad():
+        y = ampkernels.bias_act(z, b, "gelu")
+    assert y.grad_fn is None
+    assert_rel_close(y, torch.nn.functional.gelu(z + b), torch.float32)
 
 
 @pytest.mark.gpu

@@ -3,8 +3,9 @@
 The elementwise half of linear_act's unfused path (a GEMM, then this kernel), exposed
 for reuse and tests. Backends: "cuda" (csrc/bias_act.cu) and "torch" (reference).
 
-Pieces, in the order data meets them: custom ops (forward, backward) with fake
-implementations -> autograd Function (custom_fwd/custom_bwd) -> functional API.
+One op, eager and compiled: the custom op `ampkernels::bias_act_fwd` with its fake and its
+autograd registered on it (torch.library: setup_context saves pre, the backward calls the custom
+op `ampkernels::bias_act_bwd`). Autocast does not cast it; its backward runs at autocast off.
 """
 from typing import Optional
 
@@ -55,24 +56,22 @@ def _(dy, pre, activation, dbias_dtype, backend):
     return torch.empty_like(dy), dbias
 
 
-class BiasActFunction(torch.autograd.Function):
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, z, bias, activation, backend):
-        y, pre = torch.ops.ampkernels.bias_act_fwd(z, bias, activation, True, backend)
-        ctx.save_for_backward(pre)
-        ctx.activation, ctx.backend = activation, backend
-        ctx.dbias_dtype = None if bias is None else bias.dtype
-        return y
+def _setup_context(ctx, inputs, output):
+    z, bias, activation, store_pre, backend = inputs
+    ctx.save_for_backward(output[1])
+    ctx.activation, ctx.backend = activation, backend
+    ctx.dbias_dtype = None if bias is None else bias.dtype
 
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, dy):
-        (pre,) = ctx.saved_tensors
-        want_dbias = ctx.needs_input_grad[1]
-        dz, dbias = torch.ops.ampkernels.bias_act_bwd(dy.contiguous(), pre, ctx.activation,
-                                                      ctx.dbias_dtype if want_dbias else None, ctx.backend)
-        return dz, (dbias if want_dbias else None), None, None
+
+def _backward(ctx, dy, _dpre):
+    (pre,) = ctx.saved_tensors
+    want_dbias = ctx.needs_input_grad[1]
+    dz, dbias = torch.ops.ampkernels.bias_act_bwd(dy.contiguous(), pre, ctx.activation,
+                                                  ctx.dbias_dtype if want_dbias else None, ctx.backend)
+    return dz, (dbias if want_dbias else None), None, None, None
+
+
+bias_act_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def bias_act(z, bias=None, activation="gelu_tanh", *, backend=None):
@@ -90,4 +89,7 @@ def bias_act(z, bias=None, activation="gelu_tanh", *, backend=None):
         unsupported = f"bias dtype {bias.dtype} is neither z's ({z.dtype}) nor float32"
     name = backends.select("bias_act", backend, z.device, ("cuda",), unsupported)
     z2 = z.reshape(-1, z.shape[-1]).contiguous()
-    return BiasActFunction.apply(z2, bias, activation, name).reshape(z.shape)
+    training = torch.is_grad_enabled() and (z.requires_grad or (bias is not None and bias.requires_grad))
+    # pre (what backward reads) is kept only when a backward may come
+    y, _ = torch.ops.ampkernels.bias_act_fwd(z2, bias, activation, training, name)
+    return y.reshape(z.shape)
