@@ -343,6 +343,13 @@ def _opcheck(backend, dtype, device):
         dl = torch.rand(7 if reduction == "none" else (), device=device)
         torch.library.opcheck(bwd.default, (dl, x, w, b, t, -100, 0.1, reduction, True, True, True, 150, backend))
     torch.library.opcheck(fwd, (x, w, b, t, -100, 0.0, "mean", False, False, False, 1 << 25, backend))
+    # the autograd registered on the op. mean/sum: its backward scales the gradients the forward
+    # returned in place, which the functional API never hands out; AOT dispatch of the bare op,
+    # whose callers keep them, refuses that (the compiled API is checked in test_compile_fullgraph_cpu)
+    for reduction, tests in (("none", None), ("mean", ("test_schema", "test_autograd_registration", "test_faketensor"))):
+        xg, wg, bg = (a.detach().requires_grad_() for a in (x, w, b))
+        torch.library.opcheck(fwd, (xg, wg, bg, t, -100, 0.1, reduction, True, True, True, 150, backend),
+                              **({"test_utils": tests} if tests else {}))
 
 
 def test_opcheck_cpu_torch():

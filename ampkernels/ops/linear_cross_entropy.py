@@ -22,11 +22,14 @@ Backends for the row pass: "cuda" (csrc/linear_cross_entropy.cu), "triton"
 the CPU path, fp32/fp64 inputs, the reference for dispatch). The GEMMs are torch's (cuBLAS) on
 every backend.
 
-Under torch.compile the op stays opaque (two custom ops): inductor would otherwise build the
-whole logits tensor.
+One op, eager and compiled: the custom op `ampkernels::linear_cross_entropy_fwd` with its fake
+and its autograd registered on it (torch.library `register_autograd`); reduction "none"'s
+backward is the custom op `ampkernels::linear_cross_entropy_bwd`. Under torch.compile the op
+stays opaque: inductor would otherwise build the whole logits tensor. A custom op costs the
+host ~10 us a call more than an autograd Function; this one runs once a step.
 
 Pieces, in the order data meets them: chunked implementation -> custom ops (forward, backward)
-with fake implementations -> autograd Function (custom_fwd/custom_bwd) -> "auto" -> functional API.
+with fakes -> autograd -> "auto" -> functional API.
 """
 from typing import Optional
 
@@ -34,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from .shared import autocast_dtypes, eager_call
+from .shared import autocast_dtypes
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -230,12 +233,14 @@ def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need,
 
 def fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
              chunk_floor, backend):
-    """(loss, dx, dw, db). The gradients (each an empty (0,) tensor unless asked for) are those
-    of the SUM of the per-token losses: dx in x's dtype, dw and db in fp32 (fp64 for fp64 x)."""
+    """(loss, dx, dw, db). The gradients (each an empty (0,) tensor unless asked for, and for
+    reduction "none", whose backward recomputes them) are those of the SUM of the per-token
+    losses: dx in x's dtype, dw and db in fp32 (fp64 for fp64 x)."""
+    need = (need_dx, need_dw, need_db) if reduction != "none" else (False, False, False)
     with torch.autocast(x.device.type, enabled=False):  # out= GEMMs; x already in the compute dtype
         losses = torch.empty(x.shape[0], dtype=_acc_dtype(x.dtype), device=x.device)
         dx, dw, db = _chunk_loop(x, weight, bias, target, losses, torch.ones(1, dtype=torch.float32, device=x.device),
-                                 ignore_index, label_smoothing, (need_dx, need_dw, need_db), chunk_floor, backend)
+                                 ignore_index, label_smoothing, need, chunk_floor, backend)
         return _reduce(losses, target, ignore_index, reduction), dx, dw, db
 
 
@@ -245,7 +250,8 @@ def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], 
                              chunk_floor: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, dx, dweight, dbias) for 2-D contiguous x (M, K), weight (V, K) in x's dtype or fp32
     (cast inside), target (M,); the gradients are of the summed per-token losses (empty (0,)
-    tensors when not needed); dweight and dbias in fp32 (fp64 for fp64 x). loss: fp32 (fp64),
+    tensors when not needed, and for reduction "none": need_* then say what its backward
+    computes); dweight and dbias in fp32 (fp64 for fp64 x). loss: fp32 (fp64),
     () or (M,) for reduction "none". chunk_floor: see chunk_rows."""
     return fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
                     chunk_floor, backend)
@@ -257,6 +263,8 @@ def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx
     acc = _acc_dtype(x.dtype)
     m, k, v = x.shape[0], x.shape[1], weight.shape[0]
     loss = x.new_empty((m,) if reduction == "none" else (), dtype=acc)
+    if reduction == "none":
+        need_dx = need_dw = need_db = False
     return (loss, x.new_empty((m, k)) if need_dx else x.new_empty(0),
             x.new_empty((v, k), dtype=acc) if need_dw else x.new_empty(0),
             x.new_empty((v,), dtype=acc) if need_db else x.new_empty(0))
@@ -304,72 +312,53 @@ def _(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, 
             x.new_empty((v,), dtype=acc) if need_db else x.new_empty(0))
 
 
-def _fwd(*args):
-    if eager_call(*args[:4]):
-        return fwd_impl(*args)
-    return torch.ops.ampkernels.linear_cross_entropy_fwd(*args)
-
-
-def _bwd(*args):
-    if eager_call(*args[:5]):
-        return bwd_impl(*args)
-    return torch.ops.ampkernels.linear_cross_entropy_bwd(*args)
-
-
 # ---------------------------------------------------------------- autograd
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """mean/sum: the forward computes the gradients too and saves them (x-sized dx, fp32
-    weight-sized dW, fp32 db); backward scales them in place by grad_output (/ n_valid).
-    "none": saves x, weight, bias, target and recomputes. fp32 master weights under autocast
-    are cast inside the op (one padded compute-dtype copy at a time); their gradients are fp32."""
+def _setup_context(ctx, inputs, output):
+    """mean/sum: the forward computed the gradients too; they are saved (x-sized dx, fp32
+    weight-sized dW, fp32 db) and backward scales them in place by grad_output (/ n_valid).
+    "none": saves x, weight, bias, target and recomputes."""
+    x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db, floor, backend = inputs
+    _, dx, dw, db = output
+    ctx.mark_non_differentiable(dx, dw, db)
+    ctx.args = (ignore_index, label_smoothing, reduction, floor, backend)
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+    ctx.need = (need_dx, need_dw, need_db)
+    if reduction == "none":
+        ctx.save_for_backward(x, weight, bias, target)
+    else:
+        ctx.save_for_backward(target, dx, dw, db)
 
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, target, ignore_index, label_smoothing, reduction, floor, backend):
-        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        need_db = need_db and bias is not None
-        ctx.args = (ignore_index, label_smoothing, reduction, floor, backend)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        ctx.need = (need_dx, need_dw, need_db)
-        if reduction == "none":
-            loss = _fwd(x, weight, bias, target, ignore_index, label_smoothing, reduction, False, False, False,
-                        floor, backend)[0]
-            ctx.save_for_backward(x, weight, bias, target)
-        else:
-            loss, dx, dw, db = _fwd(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx,
-                                    need_dw, need_db, floor, backend)
-            ctx.save_for_backward(target, dx, dw, db)
-        return loss
 
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, dloss):
-        ignore_index, label_smoothing, reduction, floor, backend = ctx.args
-        need_dx, need_dw, need_db = ctx.need
-        if reduction == "none":
-            x, weight, bias, target = ctx.saved_tensors
-            dx, dw, db = _bwd(dloss.contiguous(), x, weight, bias, target, ignore_index, label_smoothing, reduction,
-                              need_dx, need_dw, need_db, floor, backend)
-        else:
-            # in place on the saved gradients: no second weight-sized buffer while the model's
-            # activations peak. A second backward through this node (retain_graph) gets torch's
-            # "modified by an inplace operation" error from the version check.
-            target, dx, dw, db = ctx.saved_tensors
-            factor = dloss.detach().to(torch.float64 if dw.dtype == torch.float64 else torch.float32)
-            if reduction == "mean":
-                # all tokens ignored: the gradients are zeros (as torch's), not 0 * inf
-                factor = factor / _n_valid(target, ignore_index, factor.dtype).clamp_min(1)
-            wdt, bdt = ctx.dtypes
-            if need_dx:
-                dx.mul_(factor)
-            if need_dw:  # 16-bit weights: scaled and rounded in one pass over the fp32 accumulator
-                dw = dw.mul_(factor) if wdt == dw.dtype else torch.mul(dw, factor, out=torch.empty_like(dw, dtype=wdt))
-            if need_db:
-                db = db.mul_(factor) if bdt == db.dtype else torch.mul(db, factor, out=torch.empty_like(db, dtype=bdt))
-        wdt, bdt = ctx.dtypes
-        return (dx if need_dx else None, dw.to(wdt) if need_dw else None, db.to(bdt) if need_db else None,
-                None, None, None, None, None, None)
+def _backward(ctx, dloss, _ddx, _ddw, _ddb):
+    ignore_index, label_smoothing, reduction, floor, backend = ctx.args
+    need_dx, need_dw, need_db = ctx.need
+    wdt, bdt = ctx.dtypes
+    if reduction == "none":
+        x, weight, bias, target = ctx.saved_tensors
+        dx, dw, db = torch.ops.ampkernels.linear_cross_entropy_bwd(
+            dloss.contiguous(), x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw,
+            need_db, floor, backend)
+    else:
+        # in place on the saved gradients: no second weight-sized buffer while the model's
+        # activations peak. A second backward through this node (retain_graph) gets torch's
+        # "modified by an inplace operation" error from the version check.
+        target, dx, dw, db = ctx.saved_tensors
+        factor = dloss.detach().to(torch.float64 if dw.dtype == torch.float64 else torch.float32)
+        if reduction == "mean":
+            # all tokens ignored: the gradients are zeros (as torch's), not 0 * inf
+            factor = factor / _n_valid(target, ignore_index, factor.dtype).clamp_min(1)
+        if need_dx:
+            dx.mul_(factor)
+        if need_dw:  # 16-bit weights: scaled and rounded in one pass over the fp32 accumulator
+            dw = dw.mul_(factor) if wdt == dw.dtype else torch.mul(dw, factor, out=torch.empty_like(dw, dtype=wdt))
+        if need_db:
+            db = db.mul_(factor) if bdt == db.dtype else torch.mul(db, factor, out=torch.empty_like(db, dtype=bdt))
+    return (dx if need_dx else None, dw.to(wdt) if need_dw else None, db.to(bdt) if need_db else None,
+            None, None, None, None, None, None, None, None, None)
+
+
+linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------- "auto"
@@ -459,13 +448,9 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, lab
     name = _choose(backend, device, x.dtype, unsupported)
     weight = weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    training = torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or
-                                            (bias is not None and bias.requires_grad))
-    floor = current_chunk_floor()
-    if training:
-        loss = LinearCrossEntropyFunction.apply(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, floor,
-                                                name)
-    else:
-        loss = _fwd(x2, weight, bias, t2, ignore_index, label_smoothing, reduction, False, False, False, floor,
-                    name)[0]
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and x2.requires_grad, grad and weight.requires_grad
+    need_db = grad and bias is not None and bias.requires_grad
+    loss = torch.ops.ampkernels.linear_cross_entropy_fwd(x2, weight, bias, t2, ignore_index, label_smoothing, reduction,
+                                                         need_dx, need_dw, need_db, current_chunk_floor(), name)[0]
     return loss.reshape(target.shape) if reduction == "none" else loss
