@@ -415,6 +415,24 @@ c10::TypedOperatorHandle<NormBwdFn> norm_bwd_op(c10::string_view backend) {
   return op;
 }
 
+// One forward on a backend's kernel op. x (and residual) of any rank, contiguous, normalised over
+// the last dim: the kernels see rows (views made here, below autograd, add no nodes), and the
+// outputs come back under x's shape as tensors of their own. A bias in another dtype than the
+// weight's is cast to it (the kernels take one param dtype; dbias goes back to bias's dtype).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_forward_rows(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual, double eps, bool is_rms, std::optional<at::ScalarType> out_dtype,
+    bool residual_in_fp32, c10::string_view backend, bool want_stats) {
+  std::optional<at::Tensor> bias_k = bias;
+  if (bias && weight && bias->scalar_type() != weight->scalar_type()) bias_k = bias->to(weight->scalar_type());
+  const std::optional<at::Tensor> residual2 = residual ? std::optional<at::Tensor>(as_rows(*residual)) : std::nullopt;
+  auto [out, res_out, mean, rstd] = norm_fwd_op(backend).call(as_rows(x), weight, bias_k, residual2, eps, is_rms,
+                                                              out_dtype, residual_in_fp32, want_stats);
+  out = like_rows_of(out, x);
+  if (residual) res_out = like_rows_of(res_out, x);
+  return {out, res_out, mean, rstd};
+}
+
 // The forward alone (inference: nothing saved, so no mean/rstd written, 8 bytes a row).
 std::tuple<at::Tensor, at::Tensor> norm_forward_only(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                                      const std::optional<at::Tensor>& bias,
@@ -423,13 +441,9 @@ std::tuple<at::Tensor, at::Tensor> norm_forward_only(const at::Tensor& x, const 
                                                      bool residual_in_fp32, c10::string_view fwd_backend,
                                                      c10::string_view bwd_backend) {
   (void)bwd_backend;
-  std::optional<at::Tensor> bias_k = bias;
-  if (bias && weight && bias->scalar_type() != weight->scalar_type()) bias_k = bias->to(weight->scalar_type());
-  const std::optional<at::Tensor> residual2 = residual ? std::optional<at::Tensor>(as_rows(*residual)) : std::nullopt;
-  auto [out, res_out, mean, rstd] = norm_fwd_op(fwd_backend)
-                                        .call(as_rows(x), weight, bias_k, residual2, eps, is_rms, out_dtype,
-                                              residual_in_fp32, false);
-  return {like_rows_of(out, x), residual ? like_rows_of(res_out, x) : res_out};
+  auto [out, res_out, mean, rstd] =
+      norm_forward_rows(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend, false);
+  return {out, res_out};
 }
 
 // The contract (docs/design.md, layer_norm): the backward re-reads what was
@@ -442,19 +456,10 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
                                                 const std::optional<at::Tensor>& residual, double eps, bool is_rms,
                                                 std::optional<at::ScalarType> out_dtype, bool residual_in_fp32,
                                                 c10::string_view fwd_backend, c10::string_view bwd_backend) {
-    std::optional<at::Tensor> bias_k = bias;
-    if (bias && weight && bias->scalar_type() != weight->scalar_type()) {
-      bias_k = bias->to(weight->scalar_type());  // the kernels take one param dtype
-    }
-    // x (and residual) of any rank, contiguous, normalised over the last dim: the kernels see rows
-    // (views made here, below autograd, add no nodes); what is saved is the input or the returned
-    // output itself, whose version counter catches in-place edits before backward.
-    const std::optional<at::Tensor> residual2 = residual ? std::optional<at::Tensor>(as_rows(*residual)) : std::nullopt;
-    auto [out, res_out, mean, rstd] = norm_fwd_op(fwd_backend)
-                                          .call(as_rows(x), weight, bias_k, residual2, eps, is_rms, out_dtype,
-                                                residual_in_fp32, true);
-    out = like_rows_of(out, x);
-    if (residual) res_out = like_rows_of(res_out, x);
+    // what is saved is the input or the returned output itself, whose version counter catches
+    // in-place edits before backward
+    auto [out, res_out, mean, rstd] =
+        norm_forward_rows(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend, true);
     ctx->save_for_backward({residual ? res_out : x, weight ? *weight : at::Tensor(), mean, rstd});
     ctx->set_materialize_grads(false);
     ctx->saved_data["is_rms"] = is_rms;
