@@ -11,7 +11,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/_unsafe_view.h>
 #include <ATen/ops/linear.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -19,7 +21,9 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <array>
 #include <string>
+#include <utility>
 
 #include "ampkernels.h"
 
@@ -374,24 +378,23 @@ std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// t's storage under another (contiguous) shape, as a tensor of its own rather than a view: outputs
-// of a custom autograd Function that are views may not be edited in place, a norm's or a
-// linear's output often is (x += ..., inplace activations)
-at::Tensor reshaped_output(const at::Tensor& t, at::IntArrayRef sizes) {
-  const at::Tensor v = t.view(sizes);
-  return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), v.sizes(), v.strides());
-}
-
 // The (rows, last dim) view the kernels take of a contiguous t of any rank (t itself when 2-D).
 // Made inside an autograd Function's passes, it adds no autograd node.
-at::Tensor as_rows(const at::Tensor& t) { return t.dim() == 2 ? t : t.view({-1, t.size(-1)}); }
+at::Tensor as_rows(const at::Tensor& t) {
+  if (t.dim() == 2) return t;
+  c10::SymInt rows = 1;  // not view({-1, n}): that cannot size rows of n = 0 elements
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.sym_size(d);
+  return t.view_symint({rows, t.sym_size(-1)});
+}
 
-// A kernel's (rows, n) output under x's leading dims, as a tensor of its own (reshaped_output).
+// A kernel's (rows, n) output under x's leading dims, as a tensor of its own rather than a view
+// (_unsafe_view): outputs of a custom autograd Function that are views may not be edited in
+// place, and a norm's or a linear's output often is (x += ..., inplace activations).
 at::Tensor like_rows_of(const at::Tensor& out, const at::Tensor& x) {
   if (x.dim() == 2) return out;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out.size(-1);
-  return reshaped_output(out, shape);
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = out.sym_size(-1);
+  return at::_unsafe_view_symint(out, shape);
 }
 
 // The kernels of one backend. A static handle each: found once (the triton ops on their first use).
@@ -494,7 +497,7 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
                : bias_iv.isNone() ? std::nullopt : std::optional<at::ScalarType>(bias_iv.toScalarType());
     at::Tensor dout = grads[0];
     if (!dout.defined()) {  // only residual_out was used
-      dout = at::zeros(x.sizes(), x.options().dtype(ctx->saved_data["out_dtype"].toScalarType()));
+      dout = at::zeros_symint(x.sym_sizes(), x.options().dtype(ctx->saved_data["out_dtype"].toScalarType()));
     }
     const at::Tensor& dres_out = grads[1];
     const auto needs = [&](const char* key) {
@@ -509,8 +512,8 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
         dres_out.defined() ? std::optional<at::Tensor>(rows(dres_out)) : std::nullopt, is_rms, want_dw,
         want_db, x_dtype, residual_dtype, param_dtype);
     if (x.dim() != 2) {
-      dx = dx.view(x.sizes());
-      if (dres.numel() != 0) dres = dres.view(x.sizes());
+      dx = dx.view_symint(x.sym_sizes());
+      if (dres.numel() != 0) dres = dres.view_symint(x.sym_sizes());
     }
     at::Tensor grad_res;
     if (needs("residual_edge")) grad_res = *residual_dtype != x_dtype ? dres : dx;
@@ -803,106 +806,376 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
   m.impl("act_backward_cuda_", &act_backward_inplace);
 }
 
-// ---------------------------------------------------------------- linear_act training op, autograd in C++
+// ---------------------------------------------------------------- the GEMM ops: one op each, autograd in C++
 
-// linear_act_train_cuda = linear_act_fwd_cuda with its backward registered here (as
-// ampkernels::norm: no Python per call in either pass), for the calls whose Python Function
-// would run the cuda kernels in both passes: not recompute, and not identity with master
-// weights (that one takes torch's GEMM for an fp32 dweight; ampkernels/ops/linear_act.py).
-// cast_to: the compute dtype when weight and bias are fp32 master weights under autocast; they
-// are cast here and their gradients come back in the weight's dtype.
+// ampkernels::linear_act, ::fused_mlp, ::gated_linear_act and ::gated_mlp, eager and compiled,
+// each with its autograd here (as ampkernels::norm: neither pass runs Python per call); without
+// grad (or below autograd: inference mode, a tensor subclass) the forward alone, saving nothing.
+// Their passes reach one backend's kernels through the dispatcher: the *_cuda ops above and in
+// gated_linear_act.cu, the *_triton ops registered by ampkernels/ops/linear_act.py and
+// gated_linear_act.py (which also give every one of these ops its fake). The "torch" backend is
+// no op: torch ops under torch's autograd.
+// x of any rank, contiguous: the kernels see its (M, K) rows (views below autograd add no
+// nodes) and the output is a tensor of its own under x's leading dims. What is saved is an
+// input or the returned output itself where it can be, whose version counter catches in-place
+// edits before backward. cast_to: the compute dtype when the parameters are fp32 master weights
+// under autocast; they are cast here, and each gradient comes back in its parameter's dtype.
 using LinearFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                       const std::optional<at::Tensor>&, int64_t, bool, bool);
-using LinearBwdFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                   const at::Tensor&, const at::Tensor&, int64_t,
-                                                                   bool, bool, bool, bool);
-
-struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, int64_t activation,
-                            std::optional<at::ScalarType> cast_to) {
-    static const auto fwd = typed_op<LinearFwdFn>("ampkernels::linear_act_fwd_cuda");
-    const at::Tensor w = cast_to ? weight.to(*cast_to) : weight;
-    const std::optional<at::Tensor> b = cast_to && bias ? std::optional<at::Tensor>(bias->to(*cast_to)) : bias;
-    const auto act = to_activation(activation, "linear_act_train_cuda");
-    const bool saves_hidden = act != Activation::kIdentity;
-    const bool store_pre = saves_hidden && act != Activation::kReLU;  // ReLU's derivative reads its output
-    // x of any rank >= 1, contiguous: the kernels see (M, K) rows (a view below autograd, no
-    // node); the saved x and y are the input and the returned output themselves (version-checked)
-    auto [y, pre] = fwd.call(as_rows(x), w, b, activation, store_pre, true);
-    y = like_rows_of(y, x);
-    ctx->save_for_backward({x, w, store_pre ? pre : saves_hidden ? y : at::Tensor()});
-    ctx->saved_data["activation"] = activation;
-    ctx->saved_data["grad_dtype"] = cast_to ? c10::IValue(weight.scalar_type()) : c10::IValue();
-    ctx->saved_data["has_bias"] = bias.has_value();
-    return y;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    static const auto bwd = typed_op<LinearBwdFn>("ampkernels::linear_act_bwd_cuda");
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& dy = grads[0];
-    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);
-    const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);  // bias: edge 2
-    const at::Tensor& x = saved[0];
-    const at::Tensor s = saved[2].defined() ? as_rows(saved[2]) : at::empty({0}, dy.options());
-    auto [dx, dw, db] = bwd.call(as_rows(dy.contiguous()), as_rows(x), saved[1], s,
-                                 ctx->saved_data["activation"].toInt(), need_dx, need_dw, need_db, true);
-    if (x.dim() != 2 && need_dx) dx = dx.view(x.sizes());
-    const auto& gd = ctx->saved_data["grad_dtype"];
-    if (!gd.isNone()) {
-      if (need_dw) dw = dw.to(gd.toScalarType());
-      if (need_db) db = db.to(gd.toScalarType());
-    }
-    return {need_dx ? dx : at::Tensor(), need_dw ? dw : at::Tensor(), need_db ? db : at::Tensor(), at::Tensor(),
-            at::Tensor()};
-  }
-};
-
-at::Tensor linear_act_train(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                            int64_t activation, std::optional<at::ScalarType> cast_to) {
-  return LinearActTrain::apply(x, weight, bias, activation, cast_to);
-}
-
-TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
-  m.def("linear_act_train_cuda(Tensor x, Tensor weight, Tensor? bias, int activation, ScalarType? cast_to) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
-  m.impl("linear_act_train_cuda", &linear_act_train);
-}
-
-
-// ---------------------------------------------------------------- gated MLP training op, autograd in C++
-
-// gated_mlp_train_cuda = ampkernels/ops/gated_linear_act.py's GatedMLPFunction on the cuda
-// backend (down(act(x Wg^T + bg) * (x Wu^T + bu)), keeping x, the weights and gu = [g | u] only;
-// h recomputed from gu in backward), with no Python per call in either pass. The kernels are
-// reached through the dispatcher (gated_{linear_act,act}_{fwd,bwd}_cuda), so a test checks this
-// wiring on CPU against the Python Function with the reference standing in for them.
-// cast_to: the compute dtype of fp32 master weights under autocast; wg and wu are cast into the
-// two halves of one buffer (the GEMMs then run packed), every gradient comes back in its
-// parameter's dtype.
+                                                       const std::optional<at::Tensor>&, int64_t, bool);
+using LinearFwdCudaFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                           const std::optional<at::Tensor>&, int64_t, bool, bool);
+using LinearBwdCudaFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                       const at::Tensor&, const at::Tensor&, int64_t,
+                                                                       bool, bool, bool, bool);
+using DzFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool);
+using BiasActFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                                                        bool);
+using ActFwdFn = at::Tensor(const at::Tensor&, int64_t);
+using ActBwdInplaceFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
 using GatedFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                       const std::optional<at::Tensor>&,
                                                       const std::optional<at::Tensor>&, int64_t, bool);
-using GatedActFn = at::Tensor(const at::Tensor&, int64_t);
 using GatedActBwdFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
 
-// linear_act.weight_grad: dz^T inp, in fp32 straight from the GEMM for 16-bit dz on CUDA where
-// this torch has mm.dtype (2.8 and newer)
-at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& inp, at::ScalarType dtype) {
+constexpr int64_t kIdentityId = int64_t(Activation::kIdentity);
+
+bool cuda_backend(c10::string_view backend, const char* op) {
+  if (backend == "cuda") return true;
+  TORCH_CHECK(backend == "triton", op, ": backend must be \"cuda\" or \"triton\", got \"", backend, "\"");
+  return false;
+}
+
+// A tensor of a trace (fake or functional: torch.compile, export, opcheck): nothing is reused in
+// place or freed early there.
+bool traced(const at::Tensor& t) {
+  return t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+}
+
+// ops/shared.py dies_with_this_backward: a saved tensor no later backward reads (the graph is not
+// kept) and that owns its whole storage may be overwritten or freed once used
+bool dies_with_this_backward(const at::Tensor& saved) {
+  return !traced(saved) && !torch::autograd::get_current_graph_task_keep_graph() && !saved.is_view() &&
+         saved.storage().nbytes() == size_t(saved.numel()) * saved.element_size();
+}
+
+at::Tensor cast_param(const at::Tensor& t, std::optional<at::ScalarType> to) { return to ? t.to(*to) : t; }
+std::optional<at::Tensor> cast_param(const std::optional<at::Tensor>& t, std::optional<at::ScalarType> to) {
+  return t && to ? std::optional<at::Tensor>(t->to(*to)) : t;
+}
+
+std::optional<at::ScalarType> dtype_of(const c10::IValue& v) {
+  return v.isNone() ? std::nullopt : std::optional<at::ScalarType>(v.toScalarType());
+}
+
+// dz^T inp: in `dtype` straight from the GEMM where it can write it (fp32 for 16-bit dz on CUDA,
+// where this torch has mm.dtype: 2.8 and newer), so fp32 master weights get no 16-bit copy and
+// no cast kernel (~0.2 ms for a 4096 x 16384 weight on the H200); else in dz's dtype, for the
+// caller to cast (fused_mlp: once dz is freed).
+at::Tensor weight_grad_uncast(const at::Tensor& dz, const at::Tensor& inp, at::ScalarType dtype) {
   if (dtype == at::kFloat && dz.scalar_type() != dtype && dz.is_cuda()) {
     static const auto mm_dtype = c10::Dispatcher::singleton().findSchema({"aten::mm", "dtype"});
     if (mm_dtype)
       return mm_dtype->typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::ScalarType)>().call(dz.t(), inp,
                                                                                                     dtype);
   }
-  return dz.t().mm(inp).to(dtype);
+  return dz.t().mm(inp);
 }
 
-// gated_linear_act.packed_weights: [wg; wu] as one (2H, K) view when wu's memory follows wg's
+at::Tensor weight_grad(const at::Tensor& dz, const at::Tensor& inp, at::ScalarType dtype) {
+  return weight_grad_uncast(dz, inp, dtype).to(dtype);
+}
+
+// ---- one backend's kernels (a static handle each: found once, the triton ops on first use)
+
+// (y, pre) = (act(x W^T + b), x W^T + b); pre empty unless store_pre
+std::tuple<at::Tensor, at::Tensor> linear_fwd(c10::string_view backend, const at::Tensor& x, const at::Tensor& w,
+                                              const std::optional<at::Tensor>& b, int64_t act, bool store_pre) {
+  if (cuda_backend(backend, "linear_act")) {
+    static const auto op = typed_op<LinearFwdCudaFn>("ampkernels::linear_act_fwd_cuda");
+    return op.call(x, w, b, act, store_pre, true);
+  }
+  static const auto op = typed_op<LinearFwdFn>("ampkernels::linear_act_fwd_triton");
+  return op.call(x, w, b, act, store_pre);
+}
+
+// (dx, dweight, dbias) of one linear_act, each empty when not asked for; saved: the
+// pre-activation or ReLU's output (unused for identity); dweight and dbias in grad_dtype, else
+// x's, dbias summed in fp32. cuda: linear_act_bwd_cuda (identity: dbias fused into the
+// weight-gradient GEMM), but identity with master weights takes torch's GEMM for an fp32 dweight,
+// which saves more than cuBLASLt's fused bias gradient (a 20 us sum). Triton: its dz pass (act'
+// and the dbias sums in one kernel; for identity the sums alone), then the two GEMMs on cuBLAS.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_bwd(c10::string_view backend, const at::Tensor& dy,
+                                                          const at::Tensor& x, const at::Tensor& w,
+                                                          const at::Tensor& saved, int64_t act, bool need_dx,
+                                                          bool need_dw, bool need_db,
+                                                          std::optional<at::ScalarType> grad_dtype) {
+  const bool identity = act == kIdentityId;
+  const at::ScalarType gd = grad_dtype.value_or(x.scalar_type());
+  if (cuda_backend(backend, "linear_act") && !(grad_dtype && identity)) {
+    static const auto op = typed_op<LinearBwdCudaFn>("ampkernels::linear_act_bwd_cuda");
+    auto [dx, dw, db] = op.call(dy, x, w, saved, act, need_dx, need_dw, need_db, true);
+    if (grad_dtype) {
+      if (need_dw) dw = dw.to(gd);
+      if (need_db) db = db.to(gd);
+    }
+    return {dx, dw, db};
+  }
+  at::Tensor dz = dy, db32;
+  if (backend == "triton") {  // identity: dz is dy, and the op sums its columns alone
+    static const auto op = typed_op<DzFn>("ampkernels::linear_act_dz_triton");
+    std::tie(dz, db32) = op.call(dy, saved, act, need_db);
+    if (identity) dz = dy;
+  } else if (need_db) {
+    db32 = dy.sum(at::IntArrayRef{0}, false, at::kFloat);
+  }
+  const at::Tensor empty = at::empty({0}, dy.options());
+  return {need_dx ? dz.mm(w) : empty, need_dw ? weight_grad(dz, x, gd) : empty, need_db ? db32.to(gd) : empty};
+}
+
+// h = act(pre) by the forward epilogue's formulas: fused_mlp's backward gets the forward's h bit for bit
+at::Tensor act_fwd(c10::string_view backend, const at::Tensor& pre, int64_t act) {
+  if (cuda_backend(backend, "fused_mlp")) {
+    static const auto op = typed_op<BiasActFwdFn>("ampkernels::bias_act_fwd_cuda");
+    return std::get<0>(op.call(pre, std::nullopt, act, false));
+  }
+  static const auto op = typed_op<ActFwdFn>("ampkernels::act_fwd_triton");
+  return op.call(pre, act);
+}
+
+// dy *= act'(saved) IN PLACE (for a caller that owns dy: no second hidden-sized buffer); the fp32
+// column sums of the result when need_db, else empty
+at::Tensor act_bwd_(c10::string_view backend, const at::Tensor& dy, const at::Tensor& saved, int64_t act,
+                    bool need_db) {
+  if (cuda_backend(backend, "fused_mlp")) {
+    static const auto op = typed_op<ActBwdInplaceFn>("ampkernels::act_backward_cuda_");
+    return op.call(dy, saved, act, need_db);
+  }
+  static const auto op = typed_op<ActBwdInplaceFn>("ampkernels::act_backward_triton_");
+  return op.call(dy, saved, act, need_db);
+}
+
+// (h, gu): h = act(g) * u, gu = [g | u] (M, 2H) when store, else empty
+std::tuple<at::Tensor, at::Tensor> gated_fwd(c10::string_view backend, const at::Tensor& x, const at::Tensor& wg,
+                                             const at::Tensor& wu, const std::optional<at::Tensor>& bg,
+                                             const std::optional<at::Tensor>& bu, int64_t act, bool store) {
+  if (cuda_backend(backend, "gated_linear_act")) {
+    static const auto op = typed_op<GatedFwdFn>("ampkernels::gated_linear_act_fwd_cuda");
+    return op.call(x, wg, wu, bg, bu, act, store);
+  }
+  static const auto op = typed_op<GatedFwdFn>("ampkernels::gated_linear_act_fwd_triton");
+  return op.call(x, wg, wu, bg, bu, act, store);
+}
+
+// h = act(g) * u from gu by the forward epilogue's formulas (the forward's h bit for bit)
+at::Tensor gated_act_fwd(c10::string_view backend, const at::Tensor& gu, int64_t act) {
+  if (cuda_backend(backend, "gated_mlp")) {
+    static const auto op = typed_op<ActFwdFn>("ampkernels::gated_act_fwd_cuda");
+    return op.call(gu, act);
+  }
+  static const auto op = typed_op<ActFwdFn>("ampkernels::gated_act_fwd_triton");
+  return op.call(gu, act);
+}
+
+// dgu = [dh * u * act'(g) | dh * act(g)] (dgu may be gu: in place); its fp32 column sums when need_db
+at::Tensor gated_act_bwd(c10::string_view backend, const at::Tensor& dh, const at::Tensor& gu, const at::Tensor& dgu,
+                         int64_t act, bool need_db) {
+  if (cuda_backend(backend, "gated_linear_act")) {
+    static const auto op = typed_op<GatedActBwdFn>("ampkernels::gated_act_bwd_cuda");
+    return op.call(dh, gu, dgu, act, need_db);
+  }
+  static const auto op = typed_op<GatedActBwdFn>("ampkernels::gated_act_bwd_triton");
+  return op.call(dh, gu, dgu, act, need_db);
+}
+
+// ---- linear_act: y = act(x W^T + b)
+
+// Saved: x, the weight (compute dtype) and one hidden-sized tensor: the pre-activation, or for
+// ReLU the output (y > 0 exactly where pre > 0), or nothing for identity. recompute: no
+// hidden-sized tensor; backward recomputes the pre-activation (one GEMM), so the bias is saved.
+struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, int64_t activation,
+                            std::optional<at::ScalarType> cast_to, bool recompute, c10::string_view backend) {
+    const at::Tensor w = cast_param(weight, cast_to);
+    const std::optional<at::Tensor> b = cast_param(bias, cast_to);
+    const auto act = to_activation(activation, "linear_act");
+    const bool saves_hidden = act != Activation::kIdentity && !recompute;
+    const bool store_pre = saves_hidden && act != Activation::kReLU;  // ReLU's derivative reads its output
+    auto [y, pre] = linear_fwd(backend, as_rows(x), w, b, activation, store_pre);
+    y = like_rows_of(y, x);
+    ctx->save_for_backward({x, w, recompute && b ? *b : at::Tensor(),
+                            store_pre ? pre : saves_hidden ? y : at::Tensor()});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["grad_dtype"] = cast_to ? c10::IValue(weight.scalar_type()) : c10::IValue();
+    ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["recompute"] = recompute;
+    ctx->saved_data["backend"] = std::string(backend);
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const std::string& backend = ctx->saved_data["backend"].toStringRef();
+    const int64_t activation = ctx->saved_data["activation"].toInt();
+    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);
+    const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);  // bias: edge 2
+    const at::Tensor x2 = as_rows(x);
+    at::Tensor s = saved[3].defined() ? as_rows(saved[3]) : at::empty({0}, x.options());
+    if (ctx->saved_data["recompute"].toBool() && activation != kIdentityId)
+      s = std::get<0>(linear_fwd(backend, x2, w, defined_or_none(saved[2]), kIdentityId, false));
+    auto [dx, dw, db] = linear_bwd(backend, as_rows(grads[0].contiguous()), x2, w, s, activation, need_dx, need_dw,
+                                   need_db, dtype_of(ctx->saved_data["grad_dtype"]));
+    if (need_dx && x.dim() != 2) dx = dx.view_symint(x.sym_sizes());
+    return {need_dx ? dx : at::Tensor(), need_dw ? dw : at::Tensor(), need_db ? db : at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor linear_act_forward_only(const at::Tensor& x, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias, int64_t activation,
+                                   std::optional<at::ScalarType> cast_to, bool recompute, c10::string_view backend) {
+  (void)recompute;
+  auto [y, pre] =
+      linear_fwd(backend, as_rows(x), cast_param(weight, cast_to), cast_param(bias, cast_to), activation, false);
+  return like_rows_of(y, x);
+}
+
+bool wants_grad(std::initializer_list<const at::Tensor*> tensors, std::initializer_list<const std::optional<at::Tensor>*> optional) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : tensors)
+    if (t->requires_grad()) return true;
+  for (const std::optional<at::Tensor>* t : optional)
+    if (*t && (*t)->requires_grad()) return true;
+  return false;
+}
+
+at::Tensor linear_act_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               int64_t activation, std::optional<at::ScalarType> cast_to, bool recompute,
+                               c10::string_view backend) {
+  if (!wants_grad({&x, &weight}, {&bias})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return linear_act_forward_only(x, weight, bias, activation, cast_to, recompute, backend);
+  }
+  return LinearActTrain::apply(x, weight, bias, activation, cast_to, recompute, backend);
+}
+
+// ---- fused_mlp: act(x W1^T + b1) W2^T + b2
+
+// The memory contract of docs/design.md: saved are x, w1 as given (under autocast the fp32
+// parameter, cast again in backward instead of keeping a cast alive through the step's peak),
+// w2's cast and the pre-activation; h is recomputed from pre in backward and freed before dh
+// exists, and pre and w2's cast are freed once read when the graph is not kept, so at most two
+// hidden-sized tensors are alive.
+struct FusedMLPTrain : public torch::autograd::Function<FusedMLPTrain> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
+                            const std::optional<at::Tensor>& b1, const at::Tensor& w2,
+                            const std::optional<at::Tensor>& b2, int64_t activation,
+                            std::optional<at::ScalarType> cast_to, c10::string_view backend) {
+    const at::Tensor w2c = cast_param(w2, cast_to);
+    const std::optional<at::Tensor> b1c = cast_param(b1, cast_to), b2c = cast_param(b2, cast_to);
+    at::Tensor out, pre;
+    {  // h lives only for the second GEMM
+      auto [h, p] = linear_fwd(backend, as_rows(x), cast_param(w1, cast_to), b1c, activation, true);
+      out = like_rows_of(at::linear(h, w2c, b2c), x);
+      pre = p;
+    }
+    ctx->save_for_backward({x, w1, w2c, pre});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["backend"] = std::string(backend);
+    ctx->saved_data["w2_is_own_cast"] = !w2c.is_same(w2);
+    ctx->saved_data["has_b1"] = b1.has_value();
+    ctx->saved_data["has_b2"] = b2.has_value();
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x_in = saved[0], &w1 = saved[1], &w2 = saved[2], &pre = saved[3];
+    const at::Tensor x = as_rows(x_in);
+    const std::string& backend = ctx->saved_data["backend"].toStringRef();
+    const int64_t activation = ctx->saved_data["activation"].toInt();
+    const bool need_db1 = ctx->saved_data["has_b1"].toBool(), need_db2 = ctx->saved_data["has_b2"].toBool();
+    const at::Tensor dout = as_rows(grads[0].contiguous());
+    at::Tensor dw2, db2;
+    {  // 1. layer 2's gradients from the recomputed h, freed before dh exists
+      const at::Tensor h = act_fwd(backend, pre, activation);
+      auto [unused, dw, db] = linear_bwd(backend, dout, h, w2, at::empty({0}, dout.options()), kIdentityId, false,
+                                         true, need_db2, std::nullopt);
+      dw2 = dw;
+      db2 = db;
+    }
+    // 2. dh = dout W2, act'(pre) applied to it in place (dh is this backward's own temporary)
+    const bool release = dies_with_this_backward(pre);
+    const bool release_w2 = release && ctx->saved_data["w2_is_own_cast"].toBool() && dies_with_this_backward(w2);
+    at::Tensor dh = dout.mm(w2);
+    const at::Tensor db1_32 = act_bwd_(backend, dh, pre, activation, need_db1);
+    if (release) pre.storage().unsafeGetStorageImpl()->reset();  // stream-ordered frees
+    if (release_w2) w2.storage().unsafeGetStorageImpl()->reset();
+    // 3. layer 1: dx first, so that w1's cast is gone before dw1 exists
+    at::Tensor dx = dh.mm(w1.to(x.scalar_type()));
+    at::Tensor dw1 = weight_grad_uncast(dh, x, w1.scalar_type());
+    dh.reset();
+    dw1 = dw1.to(w1.scalar_type());
+    if (x_in.dim() != 2) dx = dx.view_symint(x_in.sym_sizes());
+    return {dx, dw1, need_db1 ? db1_32.to(x.scalar_type()) : at::Tensor(), dw2, need_db2 ? db2 : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor fused_mlp_forward_only(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+                                  const at::Tensor& w2, const std::optional<at::Tensor>& b2, int64_t activation,
+                                  std::optional<at::ScalarType> cast_to, c10::string_view backend) {
+  auto [h, pre] = linear_fwd(backend, as_rows(x), cast_param(w1, cast_to), cast_param(b1, cast_to), activation, false);
+  return like_rows_of(at::linear(h, cast_param(w2, cast_to), cast_param(b2, cast_to)), x);
+}
+
+at::Tensor fused_mlp_autograd(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
+                              const at::Tensor& w2, const std::optional<at::Tensor>& b2, int64_t activation,
+                              std::optional<at::ScalarType> cast_to, c10::string_view backend) {
+  if (!wants_grad({&x, &w1, &w2}, {&b1, &b2})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return fused_mlp_forward_only(x, w1, b1, w2, b2, activation, cast_to, backend);
+  }
+  return FusedMLPTrain::apply(x, w1, b1, w2, b2, activation, cast_to, backend);
+}
+
+// ---- gated_linear_act: h = act(x Wg^T + bg) * (x Wu^T + bu), and gated_mlp: down(h)
+
+// The gate and up weights as the kernels take them: cast to cast_to into the two halves of one
+// (2H, K) buffer, `packed` (what two casts cost, and the GEMMs then run packed: one GEMM each
+// way), or as given (packed is then undefined; packed_weights may still find them adjacent).
+struct GateUp {
+  at::Tensor wg, wu, packed;
+
+  GateUp(const at::Tensor& g, const at::Tensor& u, std::optional<at::ScalarType> cast_to) : wg(g), wu(u) {
+    if (cast_to) {
+      packed = at::empty_symint({2 * g.sym_size(0), g.sym_size(1)}, g.options().dtype(*cast_to));
+      split();
+      wg.copy_(g);
+      wu.copy_(u);
+    }
+  }
+  explicit GateUp(const at::Tensor& p) : packed(p) { split(); }
+
+  void split() {
+    const c10::SymInt hidden = packed.sym_size(0) / 2;
+    wg = packed.narrow_symint(0, 0, hidden);
+    wu = packed.narrow_symint(0, hidden, hidden);
+  }
+  // saved for backward: the packed buffer alone, or both weights
+  at::Tensor first() const { return packed.defined() ? packed : wg; }
+  at::Tensor second() const { return packed.defined() ? at::Tensor() : wu; }
+  static GateUp saved(const at::Tensor& first, const at::Tensor& second) {
+    return second.defined() ? GateUp(first, second, std::nullopt) : GateUp(first);
+  }
+};
+
+// [wg; wu] as one (2H, K) view when wu's memory follows wg's (ops/gated_linear_act.py packed_weights)
 std::optional<at::Tensor> packed_weights(const at::Tensor& wg, const at::Tensor& wu) {
+  if (traced(wg)) return std::nullopt;  // no storage to compare
   if (wg.sizes() != wu.sizes() || wg.scalar_type() != wu.scalar_type() || wg.device() != wu.device() ||
       wg.numel() == 0 || !wg.is_contiguous() || !wu.is_contiguous())
     return std::nullopt;
@@ -912,47 +1185,130 @@ std::optional<at::Tensor> packed_weights(const at::Tensor& wg, const at::Tensor&
   return wg.as_strided({2 * wg.size(0), wg.size(1)}, {wg.size(1), 1});
 }
 
-// mlp.dies_with_this_backward: gu may be overwritten when no later backward reads it
-bool dies_with_this_backward(const at::Tensor& saved) {
-  return !torch::autograd::get_current_graph_task_keep_graph() && !saved.is_view() &&
-         saved.storage().nbytes() == size_t(saved.numel()) * saved.element_size();
-}
-
 int64_t dtype_id(const std::optional<at::Tensor>& t) { return t ? int64_t(t->scalar_type()) : int64_t(-1); }
 
+// The gated GEMMs' gradients from dh and gu = [g | u]: one fused elementwise pass (dg, du and the
+// fp32 bias sums; over gu itself when `inplace`), then dx = dg Wg + du Wu (one GEMM when packed),
+// dWg = dg^T x, dWu = du^T x. Each is undefined when its dtype is absent (dx: unless need_dx).
+std::array<at::Tensor, 5> gated_grads(c10::string_view backend, const at::Tensor& dh, const at::Tensor& x,
+                                      const GateUp& w, const at::Tensor& gu,
+                                      int64_t activation, bool need_dx, std::optional<at::ScalarType> wg_dt,
+                                      std::optional<at::ScalarType> wu_dt, std::optional<at::ScalarType> bg_dt,
+                                      std::optional<at::ScalarType> bu_dt, bool inplace) {
+  const c10::SymInt hidden = dh.sym_size(1);
+  const at::Tensor dgu = inplace ? gu : at::empty_like(gu);
+  const at::Tensor db32 = gated_act_bwd(backend, dh, gu, dgu, activation, bg_dt || bu_dt);
+  const at::Tensor dg = dgu.narrow_symint(1, 0, hidden), du = dgu.narrow_symint(1, hidden, hidden);
+  at::Tensor dx;
+  if (need_dx) {
+    if (w.packed.defined()) {
+      dx = dgu.mm(w.packed);
+    } else if (const auto p = packed_weights(w.wg, w.wu)) {
+      dx = dgu.mm(*p);
+    } else {
+      dx = dg.mm(w.wg);
+      dx.addmm_(du, w.wu);
+    }
+  }
+  return {dx, wg_dt ? weight_grad(dg, x, *wg_dt) : at::Tensor(), wu_dt ? weight_grad(du, x, *wu_dt) : at::Tensor(),
+          bg_dt ? db32.narrow_symint(0, 0, hidden).to(*bg_dt, false, true) : at::Tensor(),
+          bu_dt ? db32.narrow_symint(0, hidden, hidden).to(*bu_dt, false, true) : at::Tensor()};
+}
+
+// Saved: x, the weights (compute dtype) and ONE buffer gu = [g | u] (M, 2H), never h;
+// recompute: no gu (recomputed in backward: the GEMMs), so the biases are saved.
+struct GatedLinearActTrain : public torch::autograd::Function<GatedLinearActTrain> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& wg,
+                            const at::Tensor& wu, const std::optional<at::Tensor>& bg,
+                            const std::optional<at::Tensor>& bu, int64_t activation,
+                            std::optional<at::ScalarType> cast_to, bool recompute, c10::string_view backend) {
+    ctx->saved_data["dtypes"] = std::vector<int64_t>{dtype_id(wg), dtype_id(wu), dtype_id(bg), dtype_id(bu)};
+    const GateUp w(wg, wu, cast_to);
+    const std::optional<at::Tensor> bgc = cast_param(bg, cast_to), buc = cast_param(bu, cast_to);
+    auto [h, gu] = gated_fwd(backend, as_rows(x), w.wg, w.wu, bgc, buc, activation, !recompute);
+    const auto if_recompute = [&](const std::optional<at::Tensor>& b) {
+      return recompute && b ? *b : at::Tensor();
+    };
+    ctx->save_for_backward(
+        {x, w.first(), w.second(), if_recompute(bgc), if_recompute(buc), recompute ? at::Tensor() : gu});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["recompute"] = recompute;
+    ctx->saved_data["backend"] = std::string(backend);
+    // needs_input_grad counts the tensor inputs only (an absent bias has no edge)
+    int64_t edge = 3;
+    ctx->saved_data["bg_edge"] = bg ? edge++ : int64_t(-1);
+    ctx->saved_data["bu_edge"] = bu ? edge++ : int64_t(-1);
+    return like_rows_of(h, x);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x_in = saved[0];
+    const GateUp w = GateUp::saved(saved[1], saved[2]);
+    const at::Tensor x = as_rows(x_in);
+    const std::string& backend = ctx->saved_data["backend"].toStringRef();
+    const int64_t activation = ctx->saved_data["activation"].toInt();
+    const bool recompute = ctx->saved_data["recompute"].toBool();
+    at::Tensor gu = saved[5];
+    if (recompute)
+      gu = std::get<1>(gated_fwd(backend, x, w.wg, w.wu, defined_or_none(saved[3]), defined_or_none(saved[4]),
+                                 activation, true));
+    const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
+    const auto want = [&](size_t i, int64_t edge) -> std::optional<at::ScalarType> {
+      if (edge < 0 || !ctx->needs_input_grad(size_t(edge))) return std::nullopt;
+      return at::ScalarType(dtypes[i]);
+    };
+    // dg, du over gu itself when nothing reads gu after this backward
+    auto g = gated_grads(backend, as_rows(grads[0].contiguous()), x, w, gu, activation,
+                         ctx->needs_input_grad(0), want(0, 1), want(1, 2), want(2, ctx->saved_data["bg_edge"].toInt()),
+                         want(3, ctx->saved_data["bu_edge"].toInt()),
+                         recompute ? !traced(gu) : dies_with_this_backward(gu));
+    if (g[0].defined() && x_in.dim() != 2) g[0] = g[0].view_symint(x_in.sym_sizes());
+    return {g[0], g[1], g[2], g[3], g[4], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor gated_linear_act_forward_only(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
+                                         const std::optional<at::Tensor>& bg, const std::optional<at::Tensor>& bu,
+                                         int64_t activation, std::optional<at::ScalarType> cast_to, bool recompute,
+                                         c10::string_view backend) {
+  (void)recompute;
+  const GateUp w(wg, wu, cast_to);
+  auto [h, gu] = gated_fwd(backend, as_rows(x), w.wg, w.wu, cast_param(bg, cast_to), cast_param(bu, cast_to),
+                           activation, false);
+  return like_rows_of(h, x);
+}
+
+at::Tensor gated_linear_act_autograd(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
+                                     const std::optional<at::Tensor>& bg, const std::optional<at::Tensor>& bu,
+                                     int64_t activation, std::optional<at::ScalarType> cast_to, bool recompute,
+                                     c10::string_view backend) {
+  if (!wants_grad({&x, &wg, &wu}, {&bg, &bu})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return gated_linear_act_forward_only(x, wg, wu, bg, bu, activation, cast_to, recompute, backend);
+  }
+  return GatedLinearActTrain::apply(x, wg, wu, bg, bu, activation, cast_to, recompute, backend);
+}
+
+// gated_mlp keeps x, the weights and gu only: h, the down projection's input, is recomputed from
+// gu in backward (one elementwise pass) and freed before dh exists.
 struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& wg,
                             const at::Tensor& wu, const std::optional<at::Tensor>& bg,
                             const std::optional<at::Tensor>& bu, const at::Tensor& wd,
                             const std::optional<at::Tensor>& bd, int64_t activation,
-                            std::optional<at::ScalarType> cast_to) {
-    static const auto fwd = typed_op<GatedFwdFn>("ampkernels::gated_linear_act_fwd_cuda");
-    const int64_t hidden = wg.size(0);
-    // each parameter's dtype, -1 for an absent bias
+                            std::optional<at::ScalarType> cast_to, c10::string_view backend) {
     ctx->saved_data["dtypes"] = std::vector<int64_t>{dtype_id(wg), dtype_id(wu), dtype_id(bg), dtype_id(bu),
                                                      dtype_id(wd), dtype_id(bd)};
-    at::Tensor wgc = wg, wuc = wu, wdc = wd;
-    std::optional<at::Tensor> bgc = bg, buc = bu, bdc = bd;
-    if (cast_to) {
-      at::Tensor w = at::empty({2 * hidden, wg.size(1)}, wg.options().dtype(*cast_to));
-      w.narrow(0, 0, hidden).copy_(wg);
-      w.narrow(0, hidden, hidden).copy_(wu);
-      wgc = w.narrow(0, 0, hidden);
-      wuc = w.narrow(0, hidden, hidden);
-      const auto cast = [&](const std::optional<at::Tensor>& t) {
-        return t ? std::optional<at::Tensor>(t->to(*cast_to)) : std::nullopt;
-      };
-      bgc = cast(bg);
-      buc = cast(bu);
-      wdc = wd.to(*cast_to);
-      bdc = cast(bd);
-    }
-    // x of any rank, contiguous: the kernels see (M, K) rows (as linear_act_train_cuda)
-    auto [h, gu] = fwd.call(as_rows(x), wgc, wuc, bgc, buc, activation, true);
-    const at::Tensor out = like_rows_of(at::linear(h, wdc, bdc), x);
-    ctx->save_for_backward({x, wgc, wuc, wdc, gu});
+    const GateUp w(wg, wu, cast_to);
+    const at::Tensor wdc = cast_param(wd, cast_to);
+    auto [h, gu] = gated_fwd(backend, as_rows(x), w.wg, w.wu, cast_param(bg, cast_to), cast_param(bu, cast_to),
+                             activation, true);
+    const at::Tensor out = like_rows_of(at::linear(h, wdc, cast_param(bd, cast_to)), x);
+    ctx->save_for_backward({x, w.first(), w.second(), wdc, gu});
     ctx->saved_data["activation"] = activation;
-    // needs_input_grad counts the tensor inputs only (an absent bias has no edge)
+    ctx->saved_data["backend"] = std::string(backend);
     int64_t edge = 3;
     ctx->saved_data["bg_edge"] = bg ? edge++ : int64_t(-1);
     ctx->saved_data["bu_edge"] = bu ? edge++ : int64_t(-1);
@@ -963,155 +1319,74 @@ struct GatedMLPTrain : public torch::autograd::Function<GatedMLPTrain> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    static const auto act_fwd = typed_op<GatedActFn>("ampkernels::gated_act_fwd_cuda");
-    static const auto act_bwd = typed_op<GatedActBwdFn>("ampkernels::gated_act_bwd_cuda");
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x_in = saved[0], &wg = saved[1], &wu = saved[2], &wd = saved[3];
-    const at::Tensor x = as_rows(x_in);
-    at::Tensor gu = saved[4];
+    const at::Tensor &x_in = saved[0], &wd = saved[3], &gu = saved[4];
+    const std::string& backend = ctx->saved_data["backend"].toStringRef();
     const int64_t activation = ctx->saved_data["activation"].toInt();
     const auto dtypes = ctx->saved_data["dtypes"].toIntVector();
-    // the dtype of each wanted gradient (wg, wu, bg, bu, wd, bd), or none
-    const auto want = [&](size_t i, int64_t edge) -> std::optional<at::ScalarType> {
+    const auto want = [&](size_t i, const char* key) -> std::optional<at::ScalarType> {
+      const int64_t edge = i < 2 ? int64_t(i + 1) : ctx->saved_data[key].toInt();
       if (edge < 0 || !ctx->needs_input_grad(size_t(edge))) return std::nullopt;
       return at::ScalarType(dtypes[i]);
     };
-    const auto edge = [&](const char* key) { return ctx->saved_data[key].toInt(); };
-    const auto wg_dt = want(0, 1), wu_dt = want(1, 2), bg_dt = want(2, edge("bg_edge")),
-               bu_dt = want(3, edge("bu_edge")), wd_dt = want(4, edge("wd_edge")), bd_dt = want(5, edge("bd_edge"));
-    const bool need_dx = ctx->needs_input_grad(0);
+    const auto wd_dt = want(4, "wd_edge"), bd_dt = want(5, "bd_edge");
     const at::Tensor dout = as_rows(grads[0].contiguous());
     at::Tensor dwd, dbd;
     {  // down projection: dWd from the recomputed h, freed before dh exists
-      const at::Tensor h = act_fwd.call(gu, activation);
+      const at::Tensor h = gated_act_fwd(backend, gu, activation);
       if (wd_dt) dwd = weight_grad(dout, h, *wd_dt);
     }
     if (bd_dt) dbd = dout.sum(at::IntArrayRef{0}, false, at::kFloat).to(*bd_dt);
-    const at::Tensor dh = dout.mm(wd);
-    const int64_t hidden = dh.size(1);
-    const bool need_db = bg_dt || bu_dt;
-    at::Tensor dgu = dies_with_this_backward(gu) ? gu : at::empty_like(gu);
-    const at::Tensor db32 = act_bwd.call(dh, gu, dgu, activation, need_db);
-    const at::Tensor dg = dgu.narrow(1, 0, hidden), du = dgu.narrow(1, hidden, hidden);
-    at::Tensor dx;
-    if (need_dx) {
-      if (const auto w = packed_weights(wg, wu)) {
-        dx = dgu.mm(*w);
-      } else {
-        dx = dg.mm(wg);
-        dx.addmm_(du, wu);
-      }
-    }
-    at::Tensor dwg = wg_dt ? weight_grad(dg, x, *wg_dt) : at::Tensor();
-    at::Tensor dwu = wu_dt ? weight_grad(du, x, *wu_dt) : at::Tensor();
-    at::Tensor dbg = bg_dt ? db32.narrow(0, 0, hidden).to(*bg_dt, false, true) : at::Tensor();
-    at::Tensor dbu = bu_dt ? db32.narrow(0, hidden, hidden).to(*bu_dt, false, true) : at::Tensor();
-    if (dx.defined() && x_in.dim() != 2) dx = dx.view(x_in.sizes());
-    return {dx, dwg, dwu, dbg, dbu, dwd, dbd, at::Tensor(), at::Tensor()};
+    auto g = gated_grads(backend, dout.mm(wd), as_rows(x_in), GateUp::saved(saved[1], saved[2]), gu, activation,
+                         ctx->needs_input_grad(0),
+                         want(0, nullptr), want(1, nullptr), want(2, "bg_edge"), want(3, "bu_edge"),
+                         dies_with_this_backward(gu));
+    if (g[0].defined() && x_in.dim() != 2) g[0] = g[0].view_symint(x_in.sym_sizes());
+    return {g[0], g[1], g[2], g[3], g[4], dwd, dbd, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor gated_mlp_train(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
-                           const std::optional<at::Tensor>& bg, const std::optional<at::Tensor>& bu,
-                           const at::Tensor& wd, const std::optional<at::Tensor>& bd, int64_t activation,
-                           std::optional<at::ScalarType> cast_to) {
-  return GatedMLPTrain::apply(x, wg, wu, bg, bu, wd, bd, activation, cast_to);
+at::Tensor gated_mlp_forward_only(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
+                                  const std::optional<at::Tensor>& bg, const std::optional<at::Tensor>& bu,
+                                  const at::Tensor& wd, const std::optional<at::Tensor>& bd, int64_t activation,
+                                  std::optional<at::ScalarType> cast_to, c10::string_view backend) {
+  const at::Tensor h = gated_linear_act_forward_only(as_rows(x), wg, wu, bg, bu, activation, cast_to, false, backend);
+  return like_rows_of(at::linear(h, cast_param(wd, cast_to), cast_param(bd, cast_to)), x);
+}
+
+at::Tensor gated_mlp_autograd(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu,
+                              const std::optional<at::Tensor>& bg, const std::optional<at::Tensor>& bu,
+                              const at::Tensor& wd, const std::optional<at::Tensor>& bd, int64_t activation,
+                              std::optional<at::ScalarType> cast_to, c10::string_view backend) {
+  if (!wants_grad({&x, &wg, &wu, &wd}, {&bg, &bu, &bd})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return gated_mlp_forward_only(x, wg, wu, bg, bu, wd, bd, activation, cast_to, backend);
+  }
+  return GatedMLPTrain::apply(x, wg, wu, bg, bu, wd, bd, activation, cast_to, backend);
 }
 
 TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
-  m.def("gated_mlp_train_cuda(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate_bias, Tensor? up_bias, "
-        "Tensor down_weight, Tensor? down_bias, int activation, ScalarType? cast_to) -> Tensor");
+  m.def("linear_act(Tensor x, Tensor weight, Tensor? bias, int activation, ScalarType? cast_to, bool recompute, "
+        "str backend) -> Tensor");
+  m.def("fused_mlp(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, int activation, ScalarType? cast_to, "
+        "str backend) -> Tensor");
+  m.def("gated_linear_act(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate_bias, Tensor? up_bias, "
+        "int activation, ScalarType? cast_to, bool recompute, str backend) -> Tensor");
+  m.def("gated_mlp(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate_bias, Tensor? up_bias, "
+        "Tensor down_weight, Tensor? down_bias, int activation, ScalarType? cast_to, str backend) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
-  m.impl("gated_mlp_train_cuda", &gated_mlp_train);
+  m.impl("linear_act", &linear_act_autograd);
+  m.impl("fused_mlp", &fused_mlp_autograd);
+  m.impl("gated_linear_act", &gated_linear_act_autograd);
+  m.impl("gated_mlp", &gated_mlp_autograd);
 }
-
-// ---------------------------------------------------------------- fused MLP training op, autograd in C++
-
-// fused_mlp_train_cuda = ampkernels/ops/mlp.py's FusedMLPFunction on the cuda backend with its
-// autograd here (no Python per call in either pass): the same kernels in the same order and the
-// same memory contract. Saved: x, w1 as given (under autocast the fp32 parameter, cast again in
-// backward), w2's cast and the pre-activation; h is recomputed in backward from pre, and pre and
-// w2's cast are freed once read when the graph is not kept. x of any rank, contiguous.
-using BiasActFwdFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
-                                                        bool);
-using ActBwdInplaceFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool);
-
-struct FusedMLPTrain : public torch::autograd::Function<FusedMLPTrain> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
-                            const std::optional<at::Tensor>& b1, const at::Tensor& w2,
-                            const std::optional<at::Tensor>& b2, int64_t activation,
-                            std::optional<at::ScalarType> cast_to) {
-    static const auto fwd = typed_op<LinearFwdFn>("ampkernels::linear_act_fwd_cuda");
-    const auto cast = [&](const at::Tensor& t) { return cast_to ? t.to(*cast_to) : t; };
-    const auto cast_opt = [&](const std::optional<at::Tensor>& t) {
-      return t ? std::optional<at::Tensor>(cast(*t)) : std::nullopt;
-    };
-    const at::Tensor w2c = cast(w2);
-    const std::optional<at::Tensor> b1c = cast_opt(b1), b2c = cast_opt(b2);
-    at::Tensor out, pre;
-    {  // h lives only for the second GEMM
-      auto [h, p] = fwd.call(as_rows(x), cast(w1), b1c, activation, true, true);
-      out = like_rows_of(at::linear(h, w2c, b2c), x);
-      pre = p;
-    }
-    ctx->save_for_backward({x, w1, w2c, pre});
-    ctx->saved_data["activation"] = activation;
-    ctx->saved_data["w2_is_own_cast"] = !w2c.is_same(w2);
-    ctx->saved_data["b1_dtype"] = b1c ? c10::IValue(b1c->scalar_type()) : c10::IValue();
-    ctx->saved_data["b2_dtype"] = b2c ? c10::IValue(b2c->scalar_type()) : c10::IValue();
-    return out;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    static const auto bias_act = typed_op<BiasActFwdFn>("ampkernels::bias_act_fwd_cuda");
-    static const auto lin_bwd = typed_op<LinearBwdFn>("ampkernels::linear_act_bwd_cuda");
-    static const auto act_bwd = typed_op<ActBwdInplaceFn>("ampkernels::act_backward_cuda_");
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x_in = saved[0], &w1 = saved[1], &w2 = saved[2], &pre = saved[3];
-    const at::Tensor x = as_rows(x_in);
-    const int64_t activation = ctx->saved_data["activation"].toInt();
-    const bool need_db1 = !ctx->saved_data["b1_dtype"].isNone(), need_db2 = !ctx->saved_data["b2_dtype"].isNone();
-    const at::Tensor dout = as_rows(grads[0].contiguous());
-    at::Tensor dw2, db2;
-    {  // 1. layer 2's gradients from the recomputed h, freed before dh exists
-      const at::Tensor h = std::get<0>(bias_act.call(pre, std::nullopt, activation, false));
-      auto [unused, dw, db] = lin_bwd.call(dout, h, w2, at::empty({0}, dout.options()),
-                                           int64_t(Activation::kIdentity), false, true, need_db2, true);
-      dw2 = dw;
-      db2 = db;
-    }
-    // 2. dh = dout W2, act'(pre) applied to it in place (dh is this backward's own temporary)
-    const bool release = dies_with_this_backward(pre);
-    const bool release_w2 =
-        release && ctx->saved_data["w2_is_own_cast"].toBool() && dies_with_this_backward(w2);
-    at::Tensor dh = dout.mm(w2);
-    const at::Tensor db1_32 = act_bwd.call(dh, pre, activation, need_db1);
-    if (release) pre.storage().unsafeGetStorageImpl()->reset();  // stream-ordered frees
-    if (release_w2) w2.storage().unsafeGetStorageImpl()->reset();
-    // 3. layer 1: dx first, so that w1's cast is gone before dw1 exists
-    at::Tensor dx = dh.mm(w1.to(x.scalar_type()));
-    const at::Tensor dw1 = weight_grad(dh, x, w1.scalar_type());
-    dh.reset();
-    if (x_in.dim() != 2) dx = dx.view(x_in.sizes());
-    return {dx, dw1, need_db1 ? db1_32.to(x.scalar_type()) : at::Tensor(), dw2, need_db2 ? db2 : at::Tensor(),
-            at::Tensor(), at::Tensor()};
-  }
-};
-
-at::Tensor fused_mlp_train(const at::Tensor& x, const at::Tensor& w1, const std::optional<at::Tensor>& b1,
-                           const at::Tensor& w2, const std::optional<at::Tensor>& b2, int64_t activation,
-                           std::optional<at::ScalarType> cast_to) {
-  return FusedMLPTrain::apply(x, w1, b1, w2, b2, activation, cast_to);
-}
-
-TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
-  m.def("fused_mlp_train_cuda(Tensor x, Tensor w1, Tensor? b1, Tensor w2, Tensor? b2, int activation, "
-        "ScalarType? cast_to) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
-  m.impl("fused_mlp_train_cuda", &fused_mlp_train);
+// below autograd (inference mode, a tensor subclass's dispatch): the forward alone
+TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
+  m.impl("linear_act", &linear_act_forward_only);
+  m.impl("fused_mlp", &fused_mlp_forward_only);
+  m.impl("gated_linear_act", &gated_linear_act_forward_only);
+  m.impl("gated_mlp", &gated_mlp_forward_only);
 }
 
 }  // namespace

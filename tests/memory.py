@@ -174,14 +174,16 @@ def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_
     kind "fused": on CUDA, nn.LayerNorm(out_dtype="autocast") + nn.FusedMLP (`backend`, None =
     auto), as the benchmark runs them. On CPU, a LayerNorm emitting `dtype` (ln="kernel":
     KernelLikeLayerNorm, what the GPU kernels allocate; ln="torch": ampkernels' torch backend,
-    what runs on CPU), then FusedMLPFunction on `backend` (None = "torch") given the fp32
-    parameters and the compute dtype, as fused_mlp calls it under CUDA autocast.
+    what runs on CPU), then the fused_mlp op given the fp32 parameters and the compute dtype, as
+    fused_mlp calls it under CUDA autocast, on the reference's CPU stand-ins for the cuda kernels
+    (tests/utils.py; they allocate what the kernels allocate).
     kind "mlp-eager" / "mlp-fused": the MLP alone on a `dtype` (T, H) input (the norm's output),
     backward from a given gradient: what the MLP itself adds, no norm, no loss.
     """
     import ampkernels.nn as aknn
+    from ampkernels import reference
     from ampkernels.nn.modules import _ACTIVATION_MODULES, _SquaredReLU
-    from ampkernels.ops.mlp import FusedMLPFunction
+    from tests.utils import REFERENCE_GEMM_KERNELS, kernels_on_cpu
 
     dev = torch.device(device)
     torch.manual_seed(seed)
@@ -197,8 +199,8 @@ def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_
         if dev.type == "cuda":  # the public op: casts under autocast, "auto" picks the backend
             from ampkernels.ops.mlp import fused_mlp as op
             return op(z, fc1.weight, fc1.bias, fc2.weight, fc2.bias, activation, backend=backend)
-        return FusedMLPFunction.apply(z, fc1.weight, fc1.bias, fc2.weight, fc2.bias, activation, backend or "torch",
-                                      dtype)
+        return torch.ops.ampkernels.fused_mlp.default(z, fc1.weight, fc1.bias, fc2.weight, fc2.bias,
+                                                      reference.activation_id(activation), dtype, "cuda")
 
     if kind in ("eager", "fused"):
         if kind == "eager":
@@ -233,6 +235,12 @@ def mlp_block_step(kind, tokens, hidden, dtype=torch.bfloat16, activation="gelu_
             out.backward(g)
     else:
         raise ValueError(f"unknown kind {kind!r}")
+    if dev.type == "cpu" and kind in ("fused", "mlp-fused"):
+        run = step
+
+        def step():  # the op's kernels on CPU: the reference, allocating what they allocate
+            with kernels_on_cpu(REFERENCE_GEMM_KERNELS):
+                run()
     return step, tokens * hidden * torch.empty(0, dtype=dtype).element_size()
 
 

@@ -188,11 +188,13 @@ def test_timm_gated_blocks_left_alone_with_reasons():
 
 
 def test_glu_mlp_gate_first_uses_packed_halves():
-    # gate first: gate and up are adjacent halves of fc1's weight, one GEMM on the cuda backend
-    from ampkernels.ops.gated_linear_act import packed_weights
+    # gate first: gate and up are adjacent halves of fc1's weight (up's memory begins where gate's
+    # ends), which the kernels take as one packed (2H, K) matrix: one GEMM each way
     blk = GluMlp(32, 80, act_layer=torch.nn.SiLU, gate_last=False)
-    w = blk.fc1.weight.chunk(2, 0)
-    assert packed_weights(w[0], w[1]) is not None
+    wg, wu = blk.fc1.weight.chunk(2, 0)
+    assert wg.is_contiguous() and wu.is_contiguous() and wg.shape == wu.shape
+    assert wu.untyped_storage().data_ptr() == wg.untyped_storage().data_ptr()
+    assert wu.storage_offset() == wg.storage_offset() + wg.numel()
 
 
 @pytest.mark.gpu

@@ -33,14 +33,14 @@ import torch
 import ampkernels
 from ampkernels import backends, reference
 from tests.test_layer_norm import GRAD_FACTOR, _assert_column_sum_close, _xhat64
-from tests.utils import TOL, assert_rel_close, needs_norm_triton
+from tests.utils import TOL, assert_rel_close, needs_triton_ops
 
 HAS_CUDA = torch.cuda.is_available()
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 ALL = (F16, BF16, F32)
 CPU_DTYPES = (F16, F32)  # the Triton interpreter's (bf16 gives garbage there)
 FULL = os.environ.get("AMPKERNELS_COMBOS_FULL", "0") == "1"
-needs_triton = needs_norm_triton
+needs_triton = needs_triton_ops
 SHORT = {F16: "fp16", BF16: "bf16", F32: "fp32", None: "-"}
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampkernels.nn as aknn
-from tests.utils import assert_rel_close, needs_norm_triton
+from tests.utils import assert_rel_close, needs_triton_ops
 
 
 def _custom_ops(ep):
@@ -56,7 +56,7 @@ def test_torch_export_matches_eager(make):
         assert_rel_close(ep.module()(*args), ref(*args), torch.float32, factor=10)
 
 
-@needs_norm_triton
+@needs_triton_ops
 def test_explicit_backends_export_as_the_torch_path():
     # fp16 modules asking for Triton (the CPU interpreter runs it in eager): the exported graph
     # holds aten ops, and computes what the torch path computes

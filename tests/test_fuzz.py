@@ -30,12 +30,12 @@ import ampkernels
 from ampkernels import backends, reference
 from tests.conftest import input_seed
 from tests.test_dtype_combos import ALL, CPU_DTYPES, ISSUE_31, NormCombo, check_norm, norm_combos
-from tests.utils import TOL, needs_norm_triton, rel_err
+from tests.utils import TOL, needs_triton_ops, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
 SCALE = float(os.environ.get("AMPKERNELS_FUZZ_SCALE", "1"))
 ONLY = os.environ.get("AMPKERNELS_FUZZ_SEED")
-needs_triton = pytest.mark.skipif(not backends._available("triton")[0], reason="triton unavailable")
+needs_triton = needs_triton_ops
 cpu_only = pytest.mark.skipif(HAS_CUDA, reason="CPU tier (Triton interpreter)")
 RELU_LIKE = ("relu", "squared_relu")
 BIAS_LAYOUTS = ("contiguous", "strided", "offset")
@@ -158,7 +158,7 @@ def test_norms_gpu_triton(request, is_rms, x_dtype):
     run_cases(request, 500, lambda rng, gen, p: norm_case(rng, gen, p, "triton", "cuda", combos, bins, misaligned))
 
 
-@needs_norm_triton
+@needs_triton_ops
 @cpu_only
 def test_norms_triton_interpreter(request):
     combos = every_combo(CPU_DTYPES)

@@ -30,9 +30,16 @@ ACTS = reference.GATED_ACTIVATIONS
 HAS_CUDA = torch.cuda.is_available()
 GRAD_FACTOR = 2
 BIASES = [(True, True), (True, False), (False, True), (False, False)]
-needs_triton = pytest.mark.skipif(not backends._available("triton")[0], reason="triton unavailable")
-cpu_triton = pytest.mark.skipif(HAS_CUDA or not backends._available("triton")[0],
-                                reason="CPU interpreter tier (the GPU tier covers triton on CUDA)")
+_TRITON_OPS = backends._available("triton")[0] and _extension.load()  # the ops live in the extension
+needs_triton = pytest.mark.skipif(not _TRITON_OPS, reason="triton unavailable, or the extension (the ops) not built")
+cpu_triton = pytest.mark.skipif(HAS_CUDA or not _TRITON_OPS,
+                                reason="CPU interpreter tier with the extension (the GPU tier covers triton on CUDA)")
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """The ops' C++ autograd on CPU: "cuda" chosen there, its kernel ops the reference."""
+    yield from cuda_kernels_on_cpu(monkeypatch)
 
 
 def _inputs(m, k, h, dtype, device, biases=(True, True), lead=(), packed=False):
@@ -104,26 +111,14 @@ def test_fp32_and_fp64_without_autocast_take_the_torch_path():
         torch.testing.assert_close(h, F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu))
 
 
-def test_packed_weights_are_detected():
-    _, wg, wu, _, _ = _inputs(2, 8, 6, torch.float32, "cpu", packed=True)
-    w = gla.packed_weights(wg, wu)
-    assert w is not None and w.shape == (12, 8) and torch.equal(w[:6], wg) and torch.equal(w[6:], wu)
-    assert gla.packed_weights(wu, wg) is None  # up before gate: not [wg; wu]
-    assert gla.packed_weights(wg, wu.clone()) is None
-    full = torch.randn(12, 10)
-    assert gla.packed_weights(full[:6, :8], full[6:, :8]) is None  # not contiguous
-
-
 @pytest.mark.parametrize("biases", [(True, True), (False, False)])
-def test_torch_packed_and_separate_weights_agree(biases):
-    x, wg, wu, bg, bu = _inputs(7, 16, 10, torch.float32, "cpu", biases, packed=True)
-    h, gu = gla.fwd_impl(x, wg, wu, bg, bu, "silu", True, "torch")
-    h2, gu2 = gla.fwd_impl(x, wg.clone(), wu.clone(), bg, bu, "silu", True, "torch")
-    torch.testing.assert_close(h, h2)
-    torch.testing.assert_close(gu, gu2)
-    dh = torch.randn_like(h)
-    outs = [gla.bwd_impl(dh, x, a, b, gu.clone(), "silu", True, *(torch.float32,) * 4, "torch")
-            for a, b in ((wg, wu), (wg.clone(), wu.clone()))]
+def test_packed_and_separate_weights_agree(cpu_kernels, biases):
+    # two halves of one parameter take one GEMM each way (the dx GEMM here): the same results
+    x, wg, wu, bg, bu = (_leaf(t) for t in _inputs(7, 16, 10, torch.float32, "cpu", biases, packed=True))
+    outs = []
+    for a, b in ((wg, wu), (_leaf(wg), _leaf(wu))):
+        h = ampkernels.gated_linear_act(x, a, b, bg, bu)
+        outs.append((h, *torch.autograd.grad(h, (x, a, b), torch.ones_like(h))))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
 
@@ -140,21 +135,19 @@ def _saved_shapes(fn):
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_backward_saves_one_gated_buffer_and_never_h(recompute):
+def test_backward_saves_one_gated_buffer_and_never_h(cpu_kernels, recompute):
     m, k, h = 6, 16, 10
     x, wg, wu, bg, bu = (_leaf(t) for t in _inputs(m, k, h, torch.float32, "cpu"))
-    # the Function the kernels run through, here on the torch backend's passes
-    out, shapes = _saved_shapes(lambda: gla.GatedLinearActFunction.apply(x, wg, wu, bg, bu, "silu", "torch",
-                                                                         recompute))
+    out, shapes = _saved_shapes(lambda: ampkernels.gated_linear_act(x, wg, wu, bg, bu, recompute=recompute))
     assert (m, h) not in shapes, shapes
     assert shapes.count((m, 2 * h)) == (0 if recompute else 1), shapes
     out.sum().backward()
 
 
-def test_retain_graph_backward_twice_gives_the_same_grads():
+def test_retain_graph_backward_twice_gives_the_same_grads(cpu_kernels):
     # backward writes dg, du over the saved g|u buffer only when nothing reads it later
     x, wg, wu, bg, bu = (_leaf(t) for t in _inputs(6, 16, 10, torch.float32, "cpu"))
-    h = gla.GatedLinearActFunction.apply(x, wg, wu, bg, bu, "gelu", "torch", False)
+    h = ampkernels.gated_linear_act(x, wg, wu, bg, bu, "gelu")
     dh = torch.randn_like(h)
     h.backward(dh, retain_graph=True)
     first = [t.grad.clone() for t in (x, wg, wu, bg, bu)]
@@ -165,15 +158,14 @@ def test_retain_graph_backward_twice_gives_the_same_grads():
         torch.testing.assert_close(t.grad, a)
 
 
-def test_in_place_backward_when_the_graph_is_freed():
+def test_in_place_backward_when_the_graph_is_freed(cpu_kernels):
     x, wg, wu, bg, bu = (_leaf(t) for t in _inputs(6, 16, 10, torch.float32, "cpu"))
-    seen = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: seen.append(t) or t):
-        h = gla.GatedLinearActFunction.apply(x, wg, wu, bg, bu, "silu", "torch", False)
-        gu = h.grad_fn.saved_tensors[-1].clone()  # the values before backward (this unpack is seen too)
+    packed = []  # (the saved tensor, its values when saved)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append((t, t.clone())) or t, lambda t: t):
+        h = ampkernels.gated_linear_act(x, wg, wu, bg, bu, "silu")
         h.sum().backward()
-    saved = seen[-1]
-    assert saved.shape == (6, 20) and not torch.equal(saved, gu)  # overwritten with dg | du
+    saved, gu = next(p for p in packed if p[0].shape == (6, 20))
+    assert not torch.equal(saved, gu)  # overwritten with dg | du
     dg, du = reference.gated_act_backward(torch.ones(6, 10), gu[:, :10], gu[:, 10:], "silu")
     torch.testing.assert_close(saved, torch.cat([dg, du], 1))
 
@@ -345,57 +337,49 @@ def test_gated_mlp_torch_path():
     _mlp_check("torch", torch.float32, "gelu", biases=(True, True), down_bias=True)
 
 
-# ---------------------------------------------------------------- the C++ autograd of the cuda backend
-
-@pytest.fixture
-def reference_as_cuda_kernels(monkeypatch):
-    """The gated cuda kernels run the torch path on CPU: gated_mlp_train_cuda's C++ autograd
-    checked there against GatedMLPFunction, which reaches the same ops."""
-    name = reference.ACTIVATIONS.__getitem__
-    yield from cuda_kernels_on_cpu(monkeypatch, {
-        "gated_linear_act_fwd_cuda": lambda x, wg, wu, bg, bu, act, store:
-            gla.fwd_impl(x, wg, wu, bg, bu, name(act), store, "torch"),
-        "gated_act_fwd_cuda": lambda gu, act: gla.gated_act(gu, name(act), "torch"),
-        "gated_act_bwd_cuda": lambda dh, gu, dgu, act, need_db:
-            _or_empty(gla.gated_act_backward_(dh, gu, dgu, name(act), need_db, "torch"), dh)})
-
-
-def _or_empty(db, like):
-    return like.new_empty(0, dtype=torch.float32) if db is None else db
-
+# ---------------------------------------------------------------- the ops' C++ autograd
 
 @pytest.mark.parametrize("activation", gla.ACTIVATIONS)
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("biases", [(True, True, True), (False, False, False), (False, True, True)])
 @pytest.mark.parametrize("lead", [(7,), (2, 3)])
-def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, biases, lead):
-    # x of any rank goes to the C++ op as it is (the rows are viewed below autograd)
+@pytest.mark.parametrize("op", ["gated_mlp", "gated_linear_act", "gated_linear_act recompute"])
+def test_cpp_autograd_matches_torch_backend(cpu_kernels, activation, master, biases, lead, op):
+    # x of any rank goes to the op as it is (the rows are viewed below autograd); master weights
+    # cast inside (packed) with fp32 gradients; a kept graph leaves gu as it was
     k, hidden, n = 24, 20, 16
     pdt = torch.float32 if master else torch.bfloat16
+    mlp = op == "gated_mlp"
     for grads_of in ("all", "x", "weights"):
         x = randn(*lead, k, dtype=torch.float32 if master else torch.bfloat16).requires_grad_(grads_of != "weights")
         wg, wu = (randn(hidden, k, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x") for _ in range(2))
         wd = randn(n, hidden, dtype=pdt, scale=0.3).requires_grad_(grads_of != "x")
         bg, bu, bd = (randn(d, dtype=pdt).requires_grad_(grads_of == "all") if on else None
                       for on, d in zip(biases, (hidden, hidden, n)))
-        params = (wg, wu, bg, bu, wd, bd)
+        params = (wg, wu, bg, bu, wd, bd) if mlp else (wg, wu, bg, bu)
         leaves = [t for t in (x, *params) if t is not None and t.requires_grad]
-        g = randn(*lead, n, dtype=torch.bfloat16)
+        g = randn(*lead, n if mlp else hidden, dtype=torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=master):
-            out = gla.gated_mlp(x, *params, activation)  # "cuda" (patched): the C++ Function
-            x2, cast_to = autocast_dtypes("gated_mlp", x, params, ("w",) * 6)
-            want = gla.GatedMLPFunction.apply(x2.reshape(-1, k), *params, activation, "cuda", cast_to)
-            want = want.reshape(*lead, n)
-        assert "GatedMLPTrain" in out.grad_fn.name() and out._base is None and out.shape == (*lead, n)
-        assert out.dtype == want.dtype and torch.equal(out, want)
-        if grads_of == "all":  # a kept graph: the first backward leaves gu as it was for the second
+            if mlp:
+                out = gla.gated_mlp(x, *params, activation)  # "cuda" (patched): the op
+            else:
+                out = gla.gated_linear_act(x, *params, activation, recompute=op.endswith("recompute"))
+            x2, cast_to = autocast_dtypes(op, x, params, ("w",) * len(params))
+            want = gla._torch_gated_linear_act(x2, wg, wu, bg, bu, activation, cast_to, False)
+            if mlp:
+                cd = (lambda t: t if t is None or cast_to is None else t.to(cast_to))  # noqa: E731
+                want = F.linear(want, cd(wd), cd(bd))
+        assert ("GatedMLPTrain" if mlp else "GatedLinearActTrain") in out.grad_fn.name()
+        assert out._base is None and out.shape == want.shape and out.dtype == want.dtype
+        assert_rel_close(out, want.double(), torch.bfloat16)
+        if grads_of == "all":
             kept = torch.autograd.grad(out, leaves, g, retain_graph=True)
             for a, e in zip(kept, torch.autograd.grad(out, leaves, g, retain_graph=True)):
                 assert torch.equal(a, e)
-        got_g = torch.autograd.grad(out, leaves, g)
-        want_g = torch.autograd.grad(want, leaves, g)
-        for a, e in zip(got_g, want_g):
-            assert a.dtype == e.dtype and torch.equal(a, e)
+        for t, a, e in zip(leaves, torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, leaves, g)):
+            assert a.dtype == e.dtype == t.dtype
+            assert_rel_close(a, e.double(), torch.bfloat16, factor=2 * GRAD_FACTOR,
+                             what=f"{op} {activation} grad of {tuple(t.shape)}")
 
 
 def test_fused_gated_mlp_is_llama_mlp():
@@ -416,21 +400,32 @@ def test_fused_gated_mlp_is_llama_mlp():
 # ---------------------------------------------------------------- CPU tier: opcheck, compile
 
 def _opcheck(backend, dtype):
+    """The ops (their fakes, their C++ autograd on `backend`'s kernels, traced too) and the
+    kernel ops."""
     x, wg, wu, bg, bu = _inputs(8, 32, 16, dtype, "cpu")
-    fwd, bwd = torch.ops.ampkernels.gated_linear_act_fwd.default, torch.ops.ampkernels.gated_linear_act_bwd.default
-    torch.library.opcheck(fwd, (x, wg, wu, bg, bu, "silu", True, backend))
-    torch.library.opcheck(fwd, (x, wg, wu, None, bu, "gelu", False, backend))
-    _, gu = gla.fwd_impl(x, wg, wu, bg, bu, "silu", True, backend)
-    dh = randn(8, 16, dtype=dtype)
-    torch.library.opcheck(bwd, (dh, x, wg, wu, gu, "silu", True, dtype, dtype, dtype, dtype, backend))
-    torch.library.opcheck(bwd, (dh, x, wg, wu, gu, "gelu_tanh", False, dtype, None, None, dtype, backend))
-    # fp32 master weights: their gradients in fp32
-    f32 = torch.float32
-    torch.library.opcheck(bwd, (dh, x, wg, wu, gu, "silu", True, f32, f32, f32, None, backend))
+    wd, bd = randn(24, 16, dtype=dtype), randn(24, dtype=dtype)
+    silu, gelu = reference.activation_id("silu"), reference.activation_id("gelu")
+    leaf = lambda t: None if t is None else t.detach().requires_grad_()  # noqa: E731
+    f32 = lambda t: leaf(t.float())  # noqa: E731
+    gla_op, mlp_op = torch.ops.ampkernels.gated_linear_act.default, torch.ops.ampkernels.gated_mlp.default
+    torch.library.opcheck(gla_op, (x, wg, wu, bg, bu, silu, None, False, backend))
+    for recompute in (False, True):
+        torch.library.opcheck(gla_op, (*(leaf(t) for t in (x, wg, wu, None, bu)), gelu, None, recompute, backend))
+    torch.library.opcheck(gla_op, (leaf(x.reshape(2, 4, 32)), *(f32(t) for t in (wg, wu, bg, bu)), silu, dtype, False,
+                                   backend))
+    torch.library.opcheck(mlp_op, (*(leaf(t) for t in (x, wg, wu, bg, bu, wd, bd)), silu, None, backend))
+    torch.library.opcheck(mlp_op, (leaf(x), *(f32(t) for t in (wg, wu, bg, bu, wd, bd)), gelu, dtype, backend))
+    kernels = {name: getattr(torch.ops.ampkernels, f"{name}_{backend}").default
+               for name in ("gated_linear_act_fwd", "gated_act_fwd", "gated_act_bwd")}
+    torch.library.opcheck(kernels["gated_linear_act_fwd"], (x, wg, wu, bg, bu, silu, True))
+    torch.library.opcheck(kernels["gated_linear_act_fwd"], (x, wg, wu, None, bu, gelu, False))
+    gu = randn(8, 32, dtype=dtype)
+    torch.library.opcheck(kernels["gated_act_fwd"], (gu, silu))
+    torch.library.opcheck(kernels["gated_act_bwd"], (randn(8, 16, dtype=dtype), gu, torch.empty_like(gu), silu, True))
 
 
-def test_opcheck_cpu_torch():
-    _opcheck("torch", torch.float32)
+def test_opcheck_cpu_reference_as_cuda_kernels(cpu_kernels):
+    _opcheck("cuda", torch.float32)
 
 
 @cpu_triton
@@ -438,7 +433,8 @@ def test_opcheck_cpu_triton_interpret():
     _opcheck("triton", torch.float16)
 
 
-@pytest.mark.parametrize("backend", ["torch", "auto"] + (["triton"] if not HAS_CUDA else []))
+@pytest.mark.parametrize("backend", ["torch", "auto"] + ([pytest.param("triton", marks=needs_triton)] if not HAS_CUDA
+                                                          else []))
 @pytest.mark.parametrize("recompute", [False, True])
 def test_compile_fullgraph_cpu(backend, recompute):
     dtype = torch.float16 if backend == "triton" else torch.float32

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from ampkernels import _extension, backends, reference
 from ampkernels.ops import layer_norm as ln
 from ampkernels.ops.layer_norm import layer_norm, rms_norm
-from tests.utils import TOL, assert_rel_close, cuda_kernels_on_cpu, needs_norm_triton, randn
+from tests.utils import TOL, assert_rel_close, cuda_kernels_on_cpu, needs_triton_ops, randn
 
 HAS_CUDA = torch.cuda.is_available()
 GRAD_FACTOR = 2
-needs_triton = needs_norm_triton
+needs_triton = needs_triton_ops
 
 
 def _norm(is_rms, x, n, w, b, eps, **kw):

@@ -23,7 +23,7 @@ import ampkernels
 from ampkernels import _extension, backends, reference
 from ampkernels.ops import linear_act as la
 from ampkernels.ops.shared import autocast_dtypes
-from tests.utils import assert_rel_close, cuda_kernels_on_cpu, poison_, randn
+from tests.utils import assert_rel_close, cuda_kernels_on_cpu, needs_triton_ops, poison_, randn
 
 # one Triton config per kernel: the session compiles each (activation, dtype) variant once
 # instead of once per autotune config (the benchmark runs the autotuned kernels)
@@ -130,31 +130,9 @@ def test_cpu_autocast_casts_like_f_linear():
     assert_rel_close(y, F.gelu(want.float()), torch.bfloat16)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("activation", ["gelu", "identity"])
-def test_fp32_master_weights_cast_inside_cpu(activation, recompute):
-    """fp32 weight and bias with a compute dtype (what linear_act passes under autocast): the
-    Function casts them and returns their gradients in fp32. Output, dx and dweight equal
-    those with the weights cast outside bit for bit (on CPU dweight is the bf16 GEMM result
-    cast); dbias is the fp32 sum itself, which rounds to the bf16 one."""
-    x, w, b = _inputs(12, 24, 16, torch.float32, "cpu")
-    xb = x.to(torch.bfloat16).requires_grad_()
-    w.requires_grad_()
-    b.requires_grad_()
-    dy = randn(12, 16, dtype=torch.bfloat16)
-    want = la.LinearActFunction.apply(xb, w.to(torch.bfloat16), b.to(torch.bfloat16), activation, "torch", recompute)
-    want_grads = torch.autograd.grad(want, (xb, w, b), dy)
-    out = la.LinearActFunction.apply(xb, w, b, activation, "torch", recompute, torch.bfloat16)
-    grads = torch.autograd.grad(out, (xb, w, b), dy)
-    assert torch.equal(out, want)
-    assert grads[1].dtype == grads[2].dtype == torch.float32
-    assert torch.equal(grads[0], want_grads[0]) and torch.equal(grads[1], want_grads[1])
-    assert torch.equal(grads[2].to(torch.bfloat16).float(), want_grads[2])
-
-
 # ---------------------------------------------------------------- CPU tier: Triton (interpreter)
 
-needs_triton = pytest.mark.skipif(not backends._available("triton")[0], reason="triton unavailable")
+needs_triton = needs_triton_ops
 
 
 @needs_triton
@@ -181,7 +159,8 @@ def test_triton_3d_input_and_store_pre():
         pytest.skip("GPU tier covers triton on CUDA tensors")
     x, w, b = _inputs(5, 32, 24, torch.float16, "cpu", lead=(3,))
     _check(x, w, b, "silu", "triton")
-    y, pre = torch.ops.ampkernels.linear_act_fwd(x.reshape(-1, 32), w, b, "silu", True, "triton")
+    y, pre = torch.ops.ampkernels.linear_act_fwd_triton(x.reshape(-1, 32), w, b, reference.activation_id("silu"),
+                                                         True)
     z = reference.linear_act(x.reshape(-1, 32), w, b, "identity")
     assert_rel_close(pre, z, torch.float16, what="pre")
     assert_rel_close(y, F.silu(pre.float()), torch.float16, what="y = act(pre)")
@@ -369,34 +348,41 @@ def _saved_hidden(backend, activation, recompute, device="cpu", dtype=torch.floa
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if backend == "torch":  # the Function itself (linear_act's torch path trains eager)
-            y = la.LinearActFunction.apply(x, w, b, activation, backend, recompute)
-        else:
-            y = ampkernels.linear_act(x, w, b, activation, backend=backend, recompute=recompute)
+        y = ampkernels.linear_act(x, w, b, activation, backend=backend, recompute=recompute)
     y.sum().backward()
     return [t for t in kept if tuple(t.shape) == (m, n)], y
 
 
 @pytest.mark.parametrize("activation", ACTS)
-def test_backward_saves_one_hidden_tensor(activation):
-    hidden, y = _saved_hidden("torch", activation, recompute=False)
+def test_backward_saves_one_hidden_tensor(reference_as_cuda_kernels, activation):
+    # the op's C++ autograd (the kernels stood in for on CPU)
+    hidden, y = _saved_hidden("cuda", activation, recompute=False, dtype=torch.bfloat16)
     assert len(hidden) == (0 if activation == "identity" else 1)
     if activation == "relu":  # relu keeps its output: y > 0 exactly where pre > 0
         assert hidden[0].data_ptr() == y.data_ptr()
-    hidden, _ = _saved_hidden("torch", activation, recompute=True)
+    hidden, _ = _saved_hidden("cuda", activation, recompute=True, dtype=torch.bfloat16)
     assert hidden == []
+
+
+def _grads_with_and_without_recompute(activation, backend, dtype):
+    x, w, b = _inputs(10, 24, 16, dtype, "cpu")
+    grads = []
+    for recompute in (False, True):
+        xs, ws, bs = (t.detach().requires_grad_() for t in (x, w, b))
+        ampkernels.linear_act(xs, ws, bs, activation, backend=backend, recompute=recompute).sum().backward()
+        grads.append((xs.grad, ws.grad, bs.grad))
+    for g0, g1 in zip(*grads):
+        assert torch.equal(g0, g1)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "squared_relu"])
 def test_recompute_gives_the_same_grads(activation):
-    x, w, b = _inputs(10, 24, 16, torch.float32, "cpu")
-    grads = []
-    for recompute in (False, True):
-        xs, ws, bs = (t.detach().requires_grad_() for t in (x, w, b))
-        la.LinearActFunction.apply(xs, ws, bs, activation, "torch", recompute).sum().backward()
-        grads.append((xs.grad, ws.grad, bs.grad))
-    for g0, g1 in zip(*grads):
-        assert torch.equal(g0, g1)
+    _grads_with_and_without_recompute(activation, "torch", torch.float32)  # under torch.utils.checkpoint
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "squared_relu", "identity"])
+def test_recompute_gives_the_same_grads_cpp_autograd(reference_as_cuda_kernels, activation):
+    _grads_with_and_without_recompute(activation, "cuda", torch.bfloat16)
 
 
 def test_torch_path_trains_with_torch_autograd():
@@ -456,7 +442,7 @@ def test_explicit_cuda_on_cpu_is_a_clear_error():
         ampkernels.linear_act(x, w, b, backend="cuda")
 
 
-@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if not HAS_CUDA else []))
+@pytest.mark.parametrize("backend", ["torch"] + ([pytest.param("triton", marks=needs_triton)] if not HAS_CUDA else []))
 def test_empty_batch(backend):
     dtype = torch.float32 if backend == "torch" else torch.float16
     x, w, b = _inputs(0, 16, 8, dtype, "cpu", lead=(2,))
@@ -517,20 +503,36 @@ def test_auto_on_cpu_runs_torch(monkeypatch):
 # ---------------------------------------------------------------- CPU tier: opcheck, compile, extension
 
 def _opcheck(backend, dtype, device):
+    """The op (its fake, its C++ autograd) on `backend`'s kernels, and those kernel ops."""
     x, w, b = _inputs(8, 32, 16, dtype, device)
-    fwd, bwd = torch.ops.ampkernels.linear_act_fwd.default, torch.ops.ampkernels.linear_act_bwd.default
-    torch.library.opcheck(fwd, (x, w, b, "gelu", True, backend))
-    torch.library.opcheck(fwd, (x, w, None, "relu", False, backend))
-    dy, pre = torch.randn(8, 16, dtype=dtype, device=device), randn(8, 16, dtype=dtype, device=device)
-    torch.library.opcheck(bwd, (dy, x, w, pre, "gelu", True, True, True, backend))
-    torch.library.opcheck(bwd, (dy, x, w, None, "identity", False, True, False, backend))
-    # master weights under autocast: dweight and dbias come back in fp32
-    torch.library.opcheck(bwd, (dy, x, w, pre, "gelu", True, True, True, backend, torch.float32))
-    torch.library.opcheck(bwd, (dy, x, w, None, "identity", True, True, True, backend, torch.float32))
+    gelu, relu, identity = (reference.activation_id(a) for a in ("gelu", "relu", "identity"))
+    op = torch.ops.ampkernels.linear_act.default
+    leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
+    for args in ((x, w, b, gelu, None, False), (leaf(x), leaf(w), leaf(b), gelu, None, False),
+                 (leaf(x), leaf(w), None, relu, None, True), (leaf(x), leaf(w), leaf(b), identity, None, False),
+                 (leaf(x.reshape(2, 4, 32)), leaf(w), leaf(b), gelu, None, True)):
+        torch.library.opcheck(op, (*args, backend))
+    # fp32 master weights: cast inside, their gradients in fp32
+    for act in (gelu, identity):
+        torch.library.opcheck(op, (leaf(x), leaf(w.float()), leaf(b.float()), act, dtype, False, backend))
+    fwd = getattr(torch.ops.ampkernels, f"linear_act_fwd_{backend}").default
+    extra = (True,) if backend == "cuda" else ()  # cuda's `fuse`
+    torch.library.opcheck(fwd, (x, w, b, gelu, True, *extra))
+    torch.library.opcheck(fwd, (x, w, None, relu, False, *extra))
+    dy, pre = randn(8, 16, dtype=dtype, device=device), randn(8, 16, dtype=dtype, device=device)
+    if backend == "cuda":
+        torch.library.opcheck(torch.ops.ampkernels.linear_act_bwd_cuda.default, (dy, x, w, pre, gelu, True, True, True,
+                                                                                 True))
+    else:
+        for act in (gelu, identity):
+            torch.library.opcheck(torch.ops.ampkernels.linear_act_dz_triton.default, (dy, pre, act, True))
+        torch.library.opcheck(torch.ops.ampkernels.act_fwd_triton.default, (pre, gelu))
+    torch.library.opcheck(getattr(torch.ops.ampkernels, f"act_backward_{backend}_").default,
+                          (dy.clone(), pre, gelu, True))
 
 
-def test_opcheck_cpu_torch():
-    _opcheck("torch", torch.float32, "cpu")
+def test_opcheck_cpu_reference_as_cuda_kernels(reference_as_cuda_kernels):
+    _opcheck("cuda", torch.bfloat16, "cpu")
 
 
 @needs_triton
@@ -540,7 +542,7 @@ def test_opcheck_cpu_triton_interpret():
     _opcheck("triton", torch.float16, "cpu")
 
 
-@pytest.mark.parametrize("backend", ["torch"] + (["triton"] if not HAS_CUDA else []))
+@pytest.mark.parametrize("backend", ["torch"] + ([pytest.param("triton", marks=needs_triton)] if not HAS_CUDA else []))
 def test_compile_fullgraph_cpu(backend):
     dtype = torch.float32 if backend == "torch" else torch.float16
     x, w, b = _inputs(6, 32, 16, dtype, "cpu", lead=(2,))
@@ -647,7 +649,7 @@ def test_gpu_act_backward_nan_and_inf_as_reference(backend):
     dy = randn(4, 64, dtype=torch.float16, device="cuda")
     for activation in ACTS[1:]:
         dz = dy.clone()
-        la.act_backward_(dz, pre, activation, False, backend)
+        getattr(torch.ops.ampkernels, f"act_backward_{backend}_")(dz, pre, reference.activation_id(activation), False)
         want = dy.double() * reference.act_grad(pre.double(), activation)
         assert torch.equal(dz.isnan(), want.isnan()), f"{activation}: NaN at {(dz.isnan() != want.isnan()).nonzero()}"
 
@@ -1011,25 +1013,23 @@ def test_pingpong_is_on_by_default_and_hopper_only(monkeypatch):
     assert not tk.pingpong_enabled(device)
 
 
-# ---------------------------------------------------------------- the C++ autograd of the cuda backend
+# ---------------------------------------------------------------- the op's C++ autograd, on CPU
 
 @pytest.fixture
 def reference_as_cuda_kernels(monkeypatch):
-    """linear_act_{fwd,bwd}_cuda run the torch path on CPU: linear_act_train_cuda's C++ autograd
-    checked there."""
-    yield from cuda_kernels_on_cpu(monkeypatch, {
-        "linear_act_fwd_cuda": lambda x, w, b, act, store_pre, fuse:
-            la.fwd_impl(x, w, b, reference.ACTIVATIONS[act], store_pre, "torch"),
-        "linear_act_bwd_cuda": lambda dy, x, w, saved, act, need_dx, need_dw, need_db, fuse:
-            la.bwd_impl(dy, x, w, saved, reference.ACTIVATIONS[act], need_dx, need_dw, need_db, "torch")})
+    """The cuda kernel ops run the reference on CPU: the op's C++ autograd, which reaches them
+    through the dispatcher, checked there."""
+    yield from cuda_kernels_on_cpu(monkeypatch)
 
 
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [(7,), (2, 3), ()])
-def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, bias, lead):
-    # x of any rank goes to the C++ op as it is (the rows are viewed below autograd)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_cpp_autograd_matches_torch_backend(reference_as_cuda_kernels, activation, master, bias, lead, recompute):
+    # x of any rank goes to the op as it is (the rows are viewed below autograd); fp32 master
+    # weights are cast inside and get fp32 gradients
     k, n = 24, 40
     for grads_of in ("all", "x", "weight"):
         pdt = torch.float32 if master else torch.bfloat16
@@ -1039,17 +1039,17 @@ def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activat
         leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
         g = randn(*lead, n, dtype=torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=master):
-            y = la.linear_act(x, w, b, activation)  # "cuda" (patched): the C++ Function unless excluded
+            y = la.linear_act(x, w, b, activation, recompute=recompute)  # "cuda" (patched): the op
             x2, cast_to = autocast_dtypes("linear_act", x, (w, b), ("weight", "bias"))
-            want = la.LinearActFunction.apply(x2.reshape(-1, k), w, b, activation, "cuda", False, cast_to)
-            want = want.reshape(*lead, n)
-        assert ("LinearActTrain" in y.grad_fn.name()) == (not master or activation != "identity")
-        assert y.shape == (*lead, n)
+            want = la._torch_linear_act(x2, w, b, activation, cast_to, False)
+        assert "LinearActTrain" in y.grad_fn.name()
+        assert y.shape == want.shape == (*lead, n)
         assert y.dtype == want.dtype and torch.equal(y, want)
         got_g = torch.autograd.grad(y, leaves, g)
         want_g = torch.autograd.grad(want, leaves, g)
-        for a, e in zip(got_g, want_g):
-            assert a.dtype == e.dtype and torch.equal(a, e)
+        for t, a, e in zip(leaves, got_g, want_g):
+            assert a.dtype == e.dtype == t.dtype
+            assert_rel_close(a, e.double(), torch.bfloat16, what=f"{activation} grad of {tuple(t.shape)}")
 
 
 def test_cpp_autograd_of_nd_x_keeps_inplace_checks(reference_as_cuda_kernels):
@@ -1062,3 +1062,13 @@ def test_cpp_autograd_of_nd_x_keeps_inplace_checks(reference_as_cuda_kernels):
     y.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_cpp_op_without_grad_runs_the_forward_alone(reference_as_cuda_kernels):
+    x, w = randn(5, 24, dtype=torch.bfloat16), randn(40, 24, dtype=torch.bfloat16).requires_grad_()
+    with torch.no_grad():
+        y = la.linear_act(x, w, None, "gelu")
+    assert y.grad_fn is None
+    with torch.inference_mode():
+        y2 = la.linear_act(x, w, None, "gelu")
+    assert torch.equal(y, y2) and torch.equal(y, reference.act_fwd(F.linear(x, w.detach()), "gelu"))

@@ -1,13 +1,19 @@
-"""fused_mlp (the op behind nn.FusedMLP): its custom ops and autograd on CPU, kernels on GPU."""
+"""fused_mlp (the op behind nn.FusedMLP): its op and C++ autograd on CPU (the kernels stood in
+for by the reference), kernels on GPU."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ampkernels import reference
-from ampkernels.ops.linear_act import act_backward_
-from ampkernels.ops.mlp import FusedMLPFunction, fused_mlp
+from ampkernels import _extension, backends, reference
+from ampkernels.ops.mlp import fused_mlp
 from tests import memory
-from tests.utils import assert_rel_close, randn
+from tests.utils import assert_rel_close, cuda_kernels_on_cpu, needs_extension, randn
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """The op's C++ autograd on CPU: "cuda" chosen there, its kernel ops the reference."""
+    yield from cuda_kernels_on_cpu(monkeypatch)
 
 
 def _inputs(m, k, h, n, dtype=torch.float32, device="cpu", bias=True):
@@ -24,7 +30,7 @@ def _eager64(x, w1, b1, w2, b2, activation):
 
 def _check(backend, activation, dtype, device, bias=True, m=37, factor=4):
     x, w1, b1, w2, b2 = _inputs(m, 48, 136, 40, dtype, device, bias)
-    out = FusedMLPFunction.apply(x, w1, b1, w2, b2, activation, backend)
+    out = fused_mlp(x, w1, b1, w2, b2, activation, backend=backend)
     ref, args = _eager64(x, w1, b1, w2, b2, activation)
     assert_rel_close(out, ref, dtype, factor=factor, what="out")
     dy = torch.randn_like(out)
@@ -37,31 +43,45 @@ def _check(backend, activation, dtype, device, bias=True, m=37, factor=4):
 
 
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
-def test_custom_ops_and_autograd_cpu(activation):
-    _check("torch", activation, torch.float32, "cpu", factor=10)
+def test_op_and_cpp_autograd_cpu(cpu_kernels, activation):
+    _check("cuda", activation, torch.float32, "cpu", factor=10)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tier: Triton interpreter")
+needs_triton = pytest.mark.skipif(not (backends._available("triton")[0] and _extension.load())
+                                  or torch.cuda.is_available(),
+                                  reason="CPU tier: the Triton interpreter, with the extension (the op)")
+
+
+@needs_triton
 @pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
 def test_triton_interpreter_cpu(activation):
     _check("triton", activation, torch.float16, "cpu", m=19, factor=4)
 
 
-def test_no_bias_cpu():
-    _check("torch", "gelu", torch.float32, "cpu", bias=False, factor=10)
+def test_no_bias_cpu(cpu_kernels):
+    _check("cuda", "gelu", torch.float32, "cpu", bias=False, factor=10)
 
 
-def test_opcheck_cpu():
-    x, w1, b1, w2, b2 = (t.detach() for t in _inputs(8, 16, 32, 16))
-    torch.library.opcheck(torch.ops.ampkernels.fused_mlp_fwd.default, (x, w1, b1, w2, b2, "silu", "torch"))
-    pre = F.linear(x, w1, b1)
-    dout = torch.randn(8, 16)
-    torch.library.opcheck(torch.ops.ampkernels.fused_mlp_bwd.default,
-                          (dout, x, w1, w2, pre, "silu", torch.float32, None, "torch"))
-    # under autocast w1 reaches backward as the fp32 parameter: dw1 comes back in fp32
-    bf = lambda t: t.to(torch.bfloat16)
-    torch.library.opcheck(torch.ops.ampkernels.fused_mlp_bwd.default,
-                          (bf(dout), bf(x), w1, bf(w2), bf(pre), "silu", torch.bfloat16, None, "torch"))
+def _opcheck(backend, dtype):
+    """The op: its fake, its C++ autograd on `backend`'s kernels (traced too)."""
+    x, w1, b1, w2, b2 = (t.detach() for t in _inputs(8, 16, 32, 16, dtype))
+    leaf = lambda t: None if t is None else t.detach().requires_grad_()  # noqa: E731
+    op, silu = torch.ops.ampkernels.fused_mlp.default, reference.activation_id("silu")
+    torch.library.opcheck(op, (x, w1, b1, w2, b2, silu, None, backend))
+    torch.library.opcheck(op, (*(leaf(t) for t in (x, w1, b1, w2, b2)), silu, None, backend))
+    torch.library.opcheck(op, (leaf(x.reshape(2, 4, 16)), leaf(w1), None, leaf(w2), None, silu, None, backend))
+    # fp32 master weights, cast inside: their gradients in fp32
+    f32 = lambda t: leaf(t.float())  # noqa: E731
+    torch.library.opcheck(op, (leaf(x), f32(w1), f32(b1), f32(w2), f32(b2), silu, dtype, backend))
+
+
+def test_opcheck_cpu(cpu_kernels):
+    _opcheck("cuda", torch.bfloat16)
+
+
+@needs_triton
+def test_opcheck_cpu_triton_interpret():
+    _opcheck("triton", torch.float16)
 
 
 def test_auto_follows_linear_act_table_without_torch(monkeypatch):
@@ -96,11 +116,11 @@ def _eager_in_dtype(x, w1, b1, w2, b2, activation):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
-def test_torch_path_matches_eager_block_cpu(activation, dtype):
-    """Forward bit for bit (the torch path computes h as eager does); every gradient against
-    float64 and against the eager block in the same dtype; dout left as the caller gave it."""
+def test_op_matches_eager_block_cpu(cpu_kernels, activation, dtype):
+    """Forward bit for bit (the reference kernels compute h as eager does); every gradient
+    against float64 and against the eager block in the same dtype; dout left as the caller gave it."""
     x, w1, b1, w2, b2 = _inputs(96, 48, 136, 40, dtype)
-    out = FusedMLPFunction.apply(x, w1, b1, w2, b2, activation, "torch")
+    out = fused_mlp(x, w1, b1, w2, b2, activation)
     eager, eager_args = _eager_in_dtype(x, w1, b1, w2, b2, activation)
     ref, ref_args = _eager64(x, w1, b1, w2, b2, activation)
     assert torch.equal(out, eager)
@@ -117,12 +137,12 @@ def test_torch_path_matches_eager_block_cpu(activation, dtype):
         assert_rel_close(ours.grad, theirs.grad.double(), dtype, factor=factor, what=f"{name} vs eager")
 
 
-def test_retain_graph_backward_twice_cpu():
+def test_retain_graph_backward_twice_cpu(cpu_kernels):
     """The in-place act' pass works on backward's own temporary, never on the saved pre, and
     backward frees pre early only when the graph is not kept: a second backward through the
     same graph gives the same gradients."""
     x, w1, b1, w2, b2 = _inputs(64, 32, 128, 32, torch.bfloat16)
-    out = FusedMLPFunction.apply(x, w1, b1, w2, b2, "gelu_tanh", "torch")
+    out = fused_mlp(x, w1, b1, w2, b2, "gelu_tanh")
     dy = randn(*out.shape, dtype=torch.bfloat16)
     out.backward(dy, retain_graph=True)
     first = [t.grad.clone() for t in (x, w1, b1, w2, b2)]
@@ -134,7 +154,7 @@ def test_retain_graph_backward_twice_cpu():
 
 
 @pytest.mark.parametrize("retain", [False, True])
-def test_fp32_weights_cast_inside_cpu(retain):
+def test_fp32_weights_cast_inside_cpu(cpu_kernels, retain):
     """fp32 weights and a compute dtype (what fused_mlp passes under autocast): no cast of w1 is
     kept (backward casts it again) and the cast of w2 is freed once dh exists, unless the graph
     is kept. The output and every gradient equal those with the weights cast outside, bit for
@@ -143,9 +163,10 @@ def test_fp32_weights_cast_inside_cpu(retain):
     xb = x.detach().to(torch.bfloat16).requires_grad_()
     dy = randn(64, 32, dtype=torch.bfloat16)
     leaves = (xb, w1, b1, w2, b2)
-    want = FusedMLPFunction.apply(xb, *(t.to(torch.bfloat16) for t in (w1, b1, w2, b2)), "gelu_tanh", "torch")
+    op, act = torch.ops.ampkernels.fused_mlp.default, reference.activation_id("gelu_tanh")
+    want = op(xb, *(t.to(torch.bfloat16) for t in (w1, b1, w2, b2)), act, None, "cuda")
     want_grads = torch.autograd.grad(want, leaves, dy)
-    out = FusedMLPFunction.apply(xb, w1, b1, w2, b2, "gelu_tanh", "torch", torch.bfloat16)
+    out = op(xb, w1, b1, w2, b2, act, torch.bfloat16, "cuda")
     assert torch.equal(out, want)
     for _ in range(2 if retain else 1):
         grads = torch.autograd.grad(out, leaves, dy, retain_graph=retain)
@@ -154,16 +175,14 @@ def test_fp32_weights_cast_inside_cpu(retain):
     assert w1.untyped_storage().nbytes() and w2.untyped_storage().nbytes()  # parameters never freed
 
 
-@pytest.mark.parametrize("backend", ["torch"] + ([] if torch.cuda.is_available() else ["triton"]))
+@needs_triton
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
-def test_act_backward_in_place_cpu(backend, activation):
+def test_act_backward_in_place_triton_interpreter(activation):
     """dy *= act'(pre) in place, equal to the out-of-place pass, with fp32 column sums."""
-    if backend == "triton":
-        pytest.importorskip("triton")
     dy, pre = randn(45, 70, dtype=torch.float16), randn(45, 70, dtype=torch.float16, scale=2)
     want, _ = reference.bias_act_backward(dy, pre, activation)
     buf = dy.clone()
-    db = act_backward_(buf, pre, activation, True, backend)
+    db = torch.ops.ampkernels.act_backward_triton_(buf, pre, reference.activation_id(activation), True)
     assert_rel_close(buf, want.double(), torch.float16, what="dz")
     assert db.dtype == torch.float32
     assert_rel_close(db, buf.double().sum(0), torch.float32, what="dbias")
@@ -182,6 +201,7 @@ def _peak_units(kind, **kw):
     return mem.peak / unit, mem
 
 
+@needs_extension  # the op, its kernels on CPU the reference
 @pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
 def test_fused_mlp_backward_peak_cpu(activation):
     """The MLP alone, backward from a given gradient: eager keeps pre and h and forms dh beside
@@ -196,6 +216,7 @@ def test_fused_mlp_backward_peak_cpu(activation):
     assert fused <= 0.82 * eager, f"FusedMLP peak {fused:.2f}U > 0.82 x eager {eager:.2f}U\n{detail}"
 
 
+@needs_extension  # the op, its kernels on CPU the reference
 def test_block_peak_cpu():
     """The pre-LN block y = x + MLP(LN(x)), loss mean(y^2), as the benchmark trains it, with a
     LayerNorm allocating what the GPU norm kernels allocate. Eager peaks in the loss's backward
@@ -208,6 +229,7 @@ def test_block_peak_cpu():
     assert fused <= 0.84 * eager, f"block peak {fused:.2f}U > 0.84 x eager {eager:.2f}U\n{detail}"
 
 
+@needs_extension  # the op, its kernels on CPU the reference
 def test_block_peak_wide_cpu():
     """The block at T/H = 2, the benchmark's second shape (T=8192, H=4096), where the weight
     casts (2U each) and gradients weigh as much as the activations. Our peak came when layer 1's
@@ -271,10 +293,11 @@ def test_act_backward_in_place_gpu(activation):
             pre = randn(*shape, dtype=torch.bfloat16, device="cuda", scale=2)
             want, _ = reference.bias_act_backward(dy, pre, activation)
             buf, again = dy.clone(), dy.clone()
-            db = act_backward_(buf, pre, activation, True, backend)
+            op, act = getattr(torch.ops.ampkernels, f"act_backward_{backend}_"), reference.activation_id(activation)
+            db = op(buf, pre, act, True)
             assert_rel_close(buf, want.double(), torch.bfloat16, what=f"{backend} dz {shape}")
             assert_rel_close(db, buf.double().sum(0), torch.float32, what=f"{backend} dbias {shape}")
-            db_again = act_backward_(again, pre, activation, True, backend)
+            db_again = op(again, pre, act, True)
             assert torch.equal(buf, again) and torch.equal(db, db_again), f"{backend} {shape}: not repeatable"
 
 
@@ -290,7 +313,7 @@ def test_kernels_gpu(backend, dtype, activation):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_autocast_fp32_params_gpu(backend):
-    """fp32 parameters under bf16 autocast (cast inside FusedMLPFunction, no cast of w1 kept,
+    """fp32 parameters under bf16 autocast (cast inside the op, no cast of w1 kept,
     w2's freed in backward): bf16 output, fp32 gradients, all close to float64 as the eager
     block's are, and the parameters untouched."""
     x, w1, b1, w2, b2 = _inputs(256, 64, 256, 64, torch.float32, "cuda")
@@ -310,33 +333,14 @@ def test_autocast_fp32_params_gpu(backend):
         assert torch.equal(before, t.detach())
 
 
-# ---------------------------------------------------------------- the C++ autograd of the cuda backend
-
-@pytest.fixture
-def reference_as_cuda_kernels(monkeypatch):
-    """The kernels fused_mlp_train_cuda reaches run the torch path on CPU: its C++ autograd checked
-    there against FusedMLPFunction on the torch backend, which runs the same implementations."""
-    from ampkernels.ops import bias_act, linear_act as la
-    from tests.utils import cuda_kernels_on_cpu
-    name = reference.ACTIVATIONS.__getitem__
-    yield from cuda_kernels_on_cpu(monkeypatch, {
-        "linear_act_fwd_cuda": lambda x, w, b, act, store_pre, fuse: la.fwd_impl(x, w, b, name(act), store_pre, "torch"),
-        "linear_act_bwd_cuda": lambda dy, x, w, saved, act, need_dx, need_dw, need_db, fuse:
-            la.bwd_impl(dy, x, w, saved, name(act), need_dx, need_dw, need_db, "torch"),
-        "bias_act_fwd_cuda": lambda z, bias, act, store_pre: bias_act.fwd_impl(z, bias, name(act), store_pre, "torch"),
-        "act_backward_cuda_": lambda dy, saved, act, need_db:
-            _or_empty(act_backward_(dy, saved, name(act), need_db, "torch"), dy)})
-
-
-def _or_empty(db, like):
-    return like.new_empty(0, dtype=torch.float32) if db is None else db
-
+# ---------------------------------------------------------------- the op's C++ autograd
 
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("biases", [(True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("lead", [(7,), (2, 3)])
-def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activation, master, biases, lead):
+def test_cpp_autograd_matches_eager_block(cpu_kernels, activation, master, biases, lead):
+    # x of any rank (rows viewed below autograd), master weights cast inside, a kept graph
     k, hidden, n = 24, 40, 16
     pdt = torch.float32 if master else torch.bfloat16
     cast_to = torch.bfloat16 if master else None
@@ -349,19 +353,21 @@ def test_cpp_autograd_matches_python_function(reference_as_cuda_kernels, activat
                   for on, d in zip(biases, (hidden, n)))
         leaves = [t for t in (x, w1, b1, w2, b2) if t is not None and t.requires_grad]
         g = randn(*lead, n, dtype=torch.bfloat16)
-        out = torch.ops.ampkernels.fused_mlp_train_cuda.default(x, w1, b1, w2, b2, act, cast_to)
-        want = FusedMLPFunction.apply(x.reshape(-1, k), w1, b1, w2, b2, activation, "torch", cast_to).reshape(*lead, n)
+        out = torch.ops.ampkernels.fused_mlp.default(x, w1, b1, w2, b2, act, cast_to, "cuda")
+        c1, cb1, c2, cb2 = (t if t is None or cast_to is None else t.to(cast_to) for t in (w1, b1, w2, b2))
+        want = F.linear(reference.act_fwd(F.linear(x, c1, cb1), activation), c2, cb2)
         assert "FusedMLPTrain" in out.grad_fn.name() and out._base is None and out.shape == (*lead, n)
         assert out.dtype == want.dtype and torch.equal(out, want)
         if grads_of == "all":  # a kept graph: pre and w2's cast stay for the second backward
             kept = torch.autograd.grad(out, leaves, g, retain_graph=True)
             for a, e in zip(kept, torch.autograd.grad(out, leaves, g, retain_graph=True)):
                 assert torch.equal(a, e)
-        for a, e in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, leaves, g)):
-            assert a.dtype == e.dtype and torch.equal(a, e)
+        for t, a, e in zip(leaves, torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, leaves, g)):
+            assert a.dtype == e.dtype == t.dtype
+            assert_rel_close(a, e.double(), torch.bfloat16, factor=2, what=f"{activation} grad of {tuple(t.shape)}")
 
 
-def test_training_on_cuda_takes_the_cpp_autograd(reference_as_cuda_kernels):
+def test_training_takes_the_cpp_autograd(cpu_kernels):
     x = randn(2, 3, 24, dtype=torch.bfloat16).requires_grad_()
     w1, w2 = randn(40, 24, dtype=torch.bfloat16).requires_grad_(), randn(16, 40, dtype=torch.bfloat16).requires_grad_()
     out = fused_mlp(x, w1, None, w2, None, "gelu_tanh")  # "cuda" (patched)

@@ -20,6 +20,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from .. import _extension
 from .common import bench, first_call_s, guard, progress, standalone_main
 
 TOKENS = 8192
@@ -40,7 +41,8 @@ def _providers(activation, quick, device):
     p = {"eager": lambda x, wg, wu, w: _eager(x, wg, wu, activation)}
     avail = ampkernels.available_backends()
     for backend in ("cuda", "triton"):
-        if avail[backend][0] and (device == "cuda" or backend == "triton"):
+        # the ops live in the extension
+        if avail[backend][0] and _extension.loaded() and (device == "cuda" or backend == "triton"):
             p[f"ampkernels-{backend}"] = (lambda b: lambda x, wg, wu, w: ampkernels.gated_linear_act(
                 x, wg, wu, activation=activation, backend=b))(backend)
     if "ampkernels-cuda" in p:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import providers
+from .. import _extension
 from .common import bench, first_call_s, guard, progress, standalone_main
 
 SHAPES = [(4096, 768, 3072), (8192, 1024, 4096), (8192, 4096, 4096), (8192, 4096, 16384)]
@@ -79,7 +80,7 @@ def _providers(activation, shape, quick, public):
     avail = ampkernels.available_backends()
     if avail["cuda"][0]:
         p["ampkernels-cuda"] = (ours("cuda"), {})
-    if avail["triton"][0]:
+    if avail["triton"][0] and _extension.loaded():  # the op lives in the extension
         p["ampkernels-triton"] = (ours("triton"), {})
     if _compiled_here(activation, shape, quick):
         if "ampkernels-triton" in p:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends, reference
+from .. import _extension, backends, reference
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -35,9 +35,13 @@ def bias_act_fwd(z: Tensor, bias: Optional[Tensor], activation: str, store_pre: 
     return fwd_impl(z, bias, activation, store_pre, backend)
 
 
-@bias_act_fwd.register_fake
-def _(z, bias, activation, store_pre, backend):
+def _fwd_fake(z, bias, activation, store_pre, backend=None):
     return torch.empty_like(z), torch.empty_like(z) if store_pre else z.new_empty(0)
+
+
+bias_act_fwd.register_fake(_fwd_fake)
+# the extension's kernel op is traced too: fused_mlp's op recomputes its hidden activation with it
+_extension.on_load(lambda: torch.library.register_fake("ampkernels::bias_act_fwd_cuda")(_fwd_fake))
 
 
 @torch.library.custom_op("ampkernels::bias_act_bwd", mutates_args=())

@@ -11,18 +11,20 @@ Backends:
 - "triton": ampkernels/triton/linear_act.py, a persistent matmul with bias + activation in
   the epilogue for every activation; backward: one fused dz = dy*act'(pre) + dbias pass, then
   the two GEMMs on cuBLAS.
-- "torch": eager F.linear + activation in the compute dtype (the unfused baseline, trained
-  with torch's own autograd, so it saves what eager saves); for fp32/fp64 inputs (autocast
-  off), CPU tensors, and where "auto" measured it fastest. recompute=True runs it through the
-  Function below.
+- "torch": F.linear + the activation in the compute dtype under torch's autograd (the unfused
+  baseline, what eager saves, and what inductor fuses under torch.compile); recompute=True runs
+  it under torch.utils.checkpoint. For fp32/fp64 inputs (autocast off), CPU tensors, and where
+  "auto" measured it fastest.
 
 Saved for backward by the kernels: x, weight and one hidden-sized tensor in the compute dtype: the
 pre-activation, or for ReLU its output (y > 0 exactly where pre > 0), or nothing for identity;
 never both pre- and post-activation. recompute=True saves no hidden-sized tensor and recomputes
 the pre-activation (one GEMM) in backward. dbias is accumulated in fp32.
 
-Pieces, in the order data meets them: custom ops (forward, backward) with fake
-implementations -> autograd Function (custom_fwd/custom_bwd) -> "auto" table -> functional API.
+One op, eager and compiled: `torch.ops.ampkernels.linear_act` (csrc/ops.cpp: its schema and its
+autograd, in C++ so that neither pass runs Python per call), reaching each backend's kernels as
+the ops linear_act_{fwd,bwd}_cuda and act_backward_cuda_ (the extension) and the *_triton ops
+registered here. Their fakes are here. The kernel backends need the extension.
 """
 import math
 from typing import Optional
@@ -31,181 +33,114 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import backends, reference
-from .shared import autocast_dtypes, eager_call
+from .. import _extension, backends, reference
+from .shared import autocast_dtypes, gemm_unsupported
 from ..triton import device_index, device_properties
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _ACT_SET = frozenset(reference.ACTIVATIONS)
 
 
-def _eager(x, weight, bias, activation):
-    """(pre, y) the unfused way: F.linear then the activation, both in x's dtype."""
-    z = F.linear(x, weight, bias)
-    return z, reference.act_fwd(z, activation)
+def _triton():
+    from ..triton import linear_act as tk  # imported on first use: triton is optional
+    return tk
 
 
-# ---------------------------------------------------------------- forward custom op
-
-def fwd_impl(x, weight, bias, activation, store_pre, backend):
-    act = reference.activation_id(activation)
-    if backend == "cuda":
-        return torch.ops.ampkernels.linear_act_fwd_cuda(x, weight, bias, act, store_pre, True)
-    if backend == "triton":
-        from ..triton import linear_act as tk
-        return tk.linear_act_fwd(x, weight, bias, act, store_pre)
-    if torch.is_autocast_enabled(x.device.type):
-        with torch.autocast(x.device.type, enabled=False):
-            z, y = _eager(x, weight, bias, activation)
-    else:
-        z, y = _eager(x, weight, bias, activation)
-    pre = z.clone() if store_pre and activation == "identity" else z  # outputs must not alias
-    return y.contiguous(), (pre.contiguous() if store_pre else x.new_empty(0, 0))
+def _fp32_empty(t):
+    return t.new_empty(0, dtype=torch.float32)
 
 
-@torch.library.custom_op("ampkernels::linear_act_fwd", mutates_args=())
-def linear_act_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, store_pre: bool,
-                   backend: str) -> tuple[Tensor, Tensor]:
+# ---------------------------------------------------------------- the Triton kernels, as ops
+
+@torch.library.custom_op("ampkernels::linear_act_fwd_triton", mutates_args=())
+def linear_act_fwd_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: int,
+                          store_pre: bool) -> tuple[Tensor, Tensor]:
     """(y, pre) for 2-D contiguous x (M, K), weight (N, K); pre = x W^T + b in x's dtype when
-    store_pre, else an empty (0, 0) tensor."""
-    return fwd_impl(x, weight, bias, activation, store_pre, backend)
+    store_pre, else an empty (0, 0) tensor (as linear_act_fwd_cuda)."""
+    return _triton().linear_act_fwd(x, weight, bias, activation, store_pre)
 
 
-@linear_act_fwd.register_fake
-def _(x, weight, bias, activation, store_pre, backend):
+@torch.library.custom_op("ampkernels::linear_act_dz_triton", mutates_args=())
+def linear_act_dz_triton(dy: Tensor, saved: Tensor, activation: int, need_db: bool) -> tuple[Tensor, Tensor]:
+    """(dz, dbias): dz = dy * act'(saved) in dy's dtype, empty for identity (dz is dy itself);
+    dbias the fp32 column sums of dz in a fixed order, empty unless need_db."""
+    tk = _triton()
+    if activation == 0:
+        return dy.new_empty(0), tk.column_sums(dy) if need_db else _fp32_empty(dy)
+    dz, db = tk.linear_act_dz(dy, saved, activation, need_db)
+    return dz, db if need_db else _fp32_empty(dy)
+
+
+@torch.library.custom_op("ampkernels::act_fwd_triton", mutates_args=())
+def act_fwd_triton(pre: Tensor, activation: int) -> Tensor:
+    """act(pre) by the forward epilogue's formulas: the forward's output bit for bit."""
+    return _triton().act_forward(pre, activation)
+
+
+@torch.library.custom_op("ampkernels::act_backward_triton_", mutates_args=("dy",))
+def act_backward_triton_(dy: Tensor, saved: Tensor, activation: int, need_db: bool) -> Tensor:
+    """dy *= act'(saved) IN PLACE; the fp32 column sums of the result, empty unless need_db
+    (as act_backward_cuda_)."""
+    db = _triton().linear_act_dz(dy, saved, activation, need_db, out=dy)[1]
+    return db if need_db else _fp32_empty(dy)
+
+
+def _fwd_fake(x, weight, bias, activation, store_pre, fuse=True):
     m, n = x.shape[0], weight.shape[0]
     return x.new_empty(m, n), x.new_empty((m, n) if store_pre else (0, 0))
 
 
-# ---------------------------------------------------------------- backward custom op
-
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch >= 2.8 on CUDA: fp16/bf16 GEMM writing fp32
-
-
-def weight_grad(dz, inp, dtype):
-    """dz.T @ inp: in `dtype` straight from the GEMM where torch can write it (fp32 master
-    weights under autocast: the accumulator itself, no fp16/bf16 copy and no cast kernel, which
-    took ~0.2 ms for a 4096x16384 weight on the H200); else in dz's dtype, for the caller to
-    cast (fused_mlp: once dz is freed)."""
-    if dtype == torch.float32 and dz.dtype != dtype and dz.is_cuda and _MM_OUT_DTYPE:
-        return torch.mm(dz.t(), inp, out_dtype=dtype)
-    return dz.t().mm(inp)
-
-
-def bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype=None):
-    act = reference.activation_id(activation)
-    # identity with master weights takes the generic path below on every backend: dweight in
-    # fp32 from torch's GEMM saves more than cuBLASLt's fused bias gradient (a 20 us sum)
-    if backend == "cuda" and (grad_dtype is None or activation != "identity"):
-        s = saved if saved is not None else dy.new_empty(0)
-        dx, dw, db = torch.ops.ampkernels.linear_act_bwd_cuda(dy, x, weight, s, act, need_dx, need_dw, need_db, True)
-        if grad_dtype is not None:
-            dw, db = (dw.to(grad_dtype) if need_dw else dw), (db.to(grad_dtype) if need_db else db)
-        return dx, dw, db
-    if backend == "triton":
-        from ..triton import linear_act as tk
-        if activation != "identity":
-            dz, db32 = tk.linear_act_dz(dy, saved, act, need_db)
-        else:
-            dz, db32 = dy, (tk.column_sums(dy) if need_db else None)
-    else:
-        ct = torch.float32 if dy.dtype in _KERNEL_DTYPES else dy.dtype
-        # dy is autograd's gradient, which other nodes may read: dz gets its own tensor
-        dz = dy if activation == "identity" else reference.act_backward_into(dy, saved, activation,
-                                                                             torch.empty_like(dy))
-        db32 = dz.sum(0, dtype=ct) if need_db else None
-    empty = dy.new_empty(0)
-    grad_dtype = grad_dtype or dy.dtype
-    # no autocast guard needed: dz, weight and x share the compute dtype, which the functional
-    # API made the autocast dtype, so autocast would not cast them
-    dx = dz.mm(weight) if need_dx else empty
-    dw = weight_grad(dz, x, grad_dtype).to(grad_dtype) if need_dw else empty.clone()
-    db = db32.to(grad_dtype) if need_db else empty.clone()
-    return dx, dw, db
-
-
-def act_backward_(dy, saved, activation, need_db, backend):
-    """dy *= act'(saved), IN PLACE, and the fp32 column sums of the result (None unless need_db).
-
-    For callers that own dy (fused_mlp's backward, on its dh temporary): the act' pass then
-    needs no second hidden-sized buffer. linear_act's own backward never calls it: there dy is
-    autograd's gradient, which the user or other nodes may still read."""
-    if backend == "cuda":
-        db = torch.ops.ampkernels.act_backward_cuda_(dy, saved, reference.activation_id(activation), need_db)
-        return db if need_db else None
-    if backend == "triton":
-        from ..triton import linear_act as tk
-        return tk.linear_act_dz(dy, saved, reference.activation_id(activation), need_db, out=dy)[1]
-    reference.act_backward_into(dy, saved, activation, dy)
-    return dy.sum(0, dtype=torch.float32) if need_db else None
-
-
-@torch.library.custom_op("ampkernels::linear_act_bwd", mutates_args=())
-def linear_act_bwd(dy: Tensor, x: Tensor, weight: Tensor, saved: Optional[Tensor], activation: str, need_dx: bool,
-                   need_dw: bool, need_db: bool, backend: str,
-                   grad_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dweight, dbias), each an empty (0,) tensor when not needed.
-
-    saved: the pre-activation (or ReLU's output; None for identity). dbias accumulated in fp32.
-    dweight and dbias in grad_dtype (the master weights' dtype under autocast), else x's."""
-    return bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype)
-
-
-@linear_act_bwd.register_fake
-def _(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype=None):
+def _bwd_fake(dy, x, weight, saved, activation, need_dx, need_dw, need_db, fuse):
     m, k, n = x.shape[0], x.shape[1], weight.shape[0]
-    gd = grad_dtype or x.dtype
-    return (x.new_empty((m, k) if need_dx else (0,)), x.new_empty((n, k), dtype=gd) if need_dw else x.new_empty(0),
-            x.new_empty((n,), dtype=gd) if need_db else x.new_empty(0))
+    return (x.new_empty((m, k) if need_dx else (0,)), x.new_empty((n, k) if need_dw else (0,)),
+            x.new_empty((n,) if need_db else (0,)))
 
 
-def _fwd(x, weight, bias, activation, store_pre, backend):
-    if eager_call(x, weight, bias):
-        return fwd_impl(x, weight, bias, activation, store_pre, backend)
-    return torch.ops.ampkernels.linear_act_fwd(x, weight, bias, activation, store_pre, backend)
+def _dz_fake(dy, saved, activation, need_db):
+    db = dy.new_empty(dy.shape[1] if need_db else 0, dtype=torch.float32)
+    return (dy.new_empty(0) if activation == 0 else torch.empty_like(dy)), db
 
 
-def _bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype):
-    if eager_call(dy, x, weight, saved):
-        return bwd_impl(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend, grad_dtype)
-    return torch.ops.ampkernels.linear_act_bwd(dy, x, weight, saved, activation, need_dx, need_dw, need_db, backend,
-                                               grad_dtype)
+def _act_bwd_fake(dy, saved, activation, need_db):
+    return dy.new_empty(dy.shape[1] if need_db else 0, dtype=torch.float32)
 
 
-# ---------------------------------------------------------------- autograd
+def _linear_act_fake(x, weight, bias, activation, cast_to, recompute, backend):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
-class LinearActFunction(torch.autograd.Function):
-    """Saves x, weight (in the compute dtype) and one hidden-sized tensor (see the module
-    docstring). cast_to: the compute dtype when weight and bias are fp32 master weights
-    (autocast); they are cast here, and their gradients come back in the weight's dtype."""
 
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, activation, backend, recompute, cast_to=None):
-        grad_dtype = None
-        if cast_to is not None:
-            grad_dtype = weight.dtype
-            weight, bias = weight.to(cast_to), None if bias is None else bias.to(cast_to)
-        saves_hidden = activation != "identity" and not recompute
-        store_pre = saves_hidden and activation != "relu"
-        y, pre = _fwd(x, weight, bias, activation, store_pre, backend)
-        saved = (pre if store_pre else y) if saves_hidden else None
-        ctx.save_for_backward(x, weight, bias if recompute else None, saved)
-        ctx.activation, ctx.backend, ctx.recompute, ctx.has_bias = activation, backend, recompute, bias is not None
-        ctx.grad_dtype = grad_dtype
-        return y
+linear_act_fwd_triton.register_fake(_fwd_fake)
+linear_act_dz_triton.register_fake(_dz_fake)
+act_fwd_triton.register_fake(lambda pre, activation: torch.empty_like(pre))
+act_backward_triton_.register_fake(_act_bwd_fake)
 
-    @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
-    def backward(ctx, dy):
-        x, weight, bias, saved = ctx.saved_tensors
-        if ctx.recompute and ctx.activation != "identity":
-            saved, _ = _fwd(x, weight, bias, "identity", False, ctx.backend)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        dx, dw, db = _bwd(dy.contiguous(), x, weight, saved, ctx.activation, need_dx, need_dw,
-                          need_db and ctx.has_bias, ctx.backend, ctx.grad_dtype)
-        return (dx if need_dx else None, dw if need_dw else None, db if need_db and ctx.has_bias else None,
-                None, None, None, None)
+
+def _register_extension_fakes():
+    torch.library.register_fake("ampkernels::linear_act_fwd_cuda")(_fwd_fake)
+    torch.library.register_fake("ampkernels::linear_act_bwd_cuda")(_bwd_fake)
+    torch.library.register_fake("ampkernels::act_backward_cuda_")(_act_bwd_fake)
+    torch.library.register_fake("ampkernels::linear_act")(_linear_act_fake)
+
+
+_extension.on_load(_register_extension_fakes)
+
+
+# ---------------------------------------------------------------- the "torch" backend
+
+def _linear_then_act(x, weight, bias, activation):
+    return reference.act_fwd(F.linear(x, weight, bias), activation)
+
+
+def _torch_linear_act(x, weight, bias, activation, cast_to, recompute):
+    """F.linear + the activation with torch's own autograd nodes (a C++ GELU backward, not a
+    Python one); recompute: under torch.utils.checkpoint, which keeps x and the weights only and
+    recomputes the rest in backward."""
+    if cast_to is not None:
+        weight, bias = weight.to(cast_to), None if bias is None else bias.to(cast_to)
+    if recompute:
+        from torch.utils.checkpoint import checkpoint  # imported on first use: it is not light
+        return checkpoint(_linear_then_act, x, weight, bias, activation, use_reentrant=False,
+                          preserve_rng_state=False)
+    return _linear_then_act(x, weight, bias, activation)
 
 
 # ---------------------------------------------------------------- "auto"
@@ -324,36 +259,19 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     x, cast_to = autocast_dtypes("linear_act", x, (weight, bias), ("weight", "bias"))
     k, n = x.shape[-1], weight.shape[0]
     m = x.shape[0] if x.dim() == 2 else x.numel() // k if k else math.prod(x.shape[:-1])
-    unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
     training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                             (bias is not None and bias.requires_grad))
     compiling = torch.compiler.is_compiling()
-    name = _choose(backend, device, x.dtype, activation, shape_bucket(m, n, k), training, unsupported, compiling)
-    if recompute and torch.compiler.is_exporting():
-        recompute = False  # a memory option of training; the exported graph gets F.linear + the activation
-    if name != "torch" or recompute:  # the kernels take contiguous tensors; F.linear any strides
-        weight = weight.contiguous()
-        bias = None if bias is None else bias.contiguous()
-    if training and name == "cuda" and not recompute and (cast_to is None or activation != "identity") \
-            and eager_call(x, weight, bias):
-        # autograd in C++ (csrc/ops.cpp), x of any rank: neither pass runs Python per call, and no
-        # reshape adds autograd nodes around it
-        return torch.ops.ampkernels.linear_act_train_cuda.default(x.contiguous(), weight, bias,
-                                                                  reference.activation_id(activation), cast_to)
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if name != "torch" or recompute:
-        x2 = x2.contiguous()
-    if training and (name != "torch" or recompute):
-        # the Function casts master weights itself, so that their gradients come back in their
-        # own dtype straight from the GEMM
-        y = LinearActFunction.apply(x2, weight, bias, activation, name, recompute, cast_to)
-    else:
-        if cast_to is not None:
-            weight, bias = weight.to(cast_to), None if bias is None else bias.to(cast_to)
-        if training or name == "torch":
-            # the unfused baseline as eager runs it, with torch's own autograd nodes (a C++ GELU
-            # backward, not a Python one), and what inductor fuses under torch.compile
-            y = reference.act_fwd(F.linear(x2, weight, bias), activation)
-        else:  # inference: nothing saved, no autograd node
-            y, _ = _fwd(x2, weight, bias, activation, False, name)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+    name = _choose(backend, device, x.dtype, activation, shape_bucket(m, n, k), training, gemm_unsupported(x),
+                   compiling)
+    # a memory option of training; an exported graph gets F.linear + the activation
+    recompute = bool(recompute) and training and not torch.compiler.is_exporting()
+    if name == "torch":
+        return _torch_linear_act(x, weight, bias, activation, cast_to, recompute)
+    # the kernels read contiguous rows: x as it is when it is made of them (of any rank: the op
+    # views its rows below autograd, adding no nodes), else a contiguous (rows, K) copy; rows
+    # under torch.compile, where the op's output is traced as a fresh tensor
+    xk = x if x.is_contiguous() and not compiling else x.reshape(m, k).contiguous()
+    y = torch.ops.ampkernels.linear_act.default(xk, weight.contiguous(), None if bias is None else bias.contiguous(),
+                                                reference.activation_id(activation), cast_to, recompute, name)
+    return y if xk is x else y.reshape(*x.shape[:-1], n)
