@@ -214,6 +214,22 @@ def test_chunk_floor_is_larger_under_compile():
     assert seen == [lce._CHUNK_MIN_ELEMS * lce._COMPILED_CHUNK_SCALE]
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_backward_allocates_no_zero_gradients(reduction):
+    # the op's gradient outputs (dx, dW, db) get no gradients: autograd must not materialise
+    # zeros for them (an fp32 weight-sized buffer at the step's peak: 154 MB for GPT-2's head)
+    from tests.memory import StorageTracker
+    k, v, m = 64, 1000, 256
+    w, x, t = randn(v, k).requires_grad_(), randn(m, k, dtype=torch.bfloat16).requires_grad_(), torch.randint(0, v, (m,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ampkernels.linear_cross_entropy(x, w, t, reduction=reduction)
+    tracker = StorageTracker()
+    with tracker:
+        loss.sum().backward()
+    assert not [e for e in tracker.at_peak if "zeros" in e.op], tracker.breakdown()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
 def test_second_backward_is_a_clear_error():
     x, w, b, t = _inputs(5, 8, 9, torch.float32, "cpu")
     x.requires_grad_()

@@ -321,6 +321,7 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db, floor, backend = inputs
     _, dx, dw, db = output
     ctx.mark_non_differentiable(dx, dw, db)
+    ctx.set_materialize_grads(False)  # no zero gradients for dx, dw, db (an fp32 weight-sized buffer)
     ctx.args = (ignore_index, label_smoothing, reduction, floor, backend)
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
     ctx.need = (need_dx, need_dw, need_db)
