@@ -26,7 +26,6 @@ gated_{linear_act,act}_*_cuda (the extension) and the *_triton ops registered he
 fakes. The kernel backends need the extension.
 """
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +33,7 @@ from torch import Tensor
 
 from .. import _extension, backends, reference
 from . import linear_act as la
-from .shared import autocast_dtypes, gemm_unsupported
+from .shared import autocast_dtypes, gemm_unsupported, kernel_op
 
 ACTIVATIONS = reference.GATED_ACTIVATIONS
 
@@ -44,29 +43,7 @@ def _triton():
     return tk
 
 
-# ---------------------------------------------------------------- the Triton kernels, as ops
-
-@torch.library.custom_op("ampkernels::gated_linear_act_fwd_triton", mutates_args=())
-def gated_linear_act_fwd_triton(x: Tensor, wg: Tensor, wu: Tensor, bg: Optional[Tensor], bu: Optional[Tensor],
-                                activation: int, store: bool) -> tuple[Tensor, Tensor]:
-    """(h, gu) for 2-D contiguous x (M, K), wg and wu (H, K); gu = [g | u] (M, 2H) in x's dtype
-    when store, else an empty (0, 0) tensor (as gated_linear_act_fwd_cuda)."""
-    return _triton().gated_linear_act_fwd(x, wg, wu, bg, bu, activation, store)
-
-
-@torch.library.custom_op("ampkernels::gated_act_fwd_triton", mutates_args=())
-def gated_act_fwd_triton(gu: Tensor, activation: int) -> Tensor:
-    """h = act(g) * u from gu = [g | u] by the forward epilogue's formulas: the forward's h bit for bit."""
-    return _triton().gated_act_forward(gu, activation)
-
-
-@torch.library.custom_op("ampkernels::gated_act_bwd_triton", mutates_args=("dgu",))
-def gated_act_bwd_triton(dh: Tensor, gu: Tensor, dgu: Tensor, activation: int, need_db: bool) -> Tensor:
-    """dgu = [dh * u * act'(g) | dh * act(g)] (dgu may be gu: in place); the fp32 column sums of
-    dgu (2H,), empty unless need_db (as gated_act_bwd_cuda)."""
-    db = _triton().gated_act_backward(dh, gu, dgu, activation, need_db)
-    return db if need_db else dh.new_empty(0, dtype=torch.float32)
-
+# ---------------------------------------------------------------- the kernel ops' fakes
 
 def _fwd_fake(x, wg, wu, bg, bu, activation, store):
     m, h = x.shape[0], wg.shape[0]
@@ -89,9 +66,29 @@ def _gated_mlp_fake(x, wg, wu, bg, bu, wd, bd, activation, cast_to, backend):
     return x.new_empty(*x.shape[:-1], wd.shape[0])
 
 
-gated_linear_act_fwd_triton.register_fake(_fwd_fake)
-gated_act_fwd_triton.register_fake(_act_fwd_fake)
-gated_act_bwd_triton.register_fake(_act_bwd_fake)
+# ---------------------------------------------------------------- the Triton kernels, as ops
+
+@kernel_op("gated_linear_act_fwd_triton(Tensor x, Tensor wg, Tensor wu, Tensor? bg, Tensor? bu, int activation, "
+           "bool store) -> (Tensor h, Tensor gu)", _fwd_fake)
+def gated_linear_act_fwd_triton(x, wg, wu, bg, bu, activation, store):
+    """(h, gu) for 2-D contiguous x (M, K), wg and wu (H, K); gu = [g | u] (M, 2H) in x's dtype
+    when store, else an empty (0, 0) tensor (as gated_linear_act_fwd_cuda)."""
+    return _triton().gated_linear_act_fwd(x, wg, wu, bg, bu, activation, store)
+
+
+@kernel_op("gated_act_fwd_triton(Tensor gu, int activation) -> Tensor h", _act_fwd_fake)
+def gated_act_fwd_triton(gu, activation):
+    """h = act(g) * u from gu = [g | u] by the forward epilogue's formulas: the forward's h bit for bit."""
+    return _triton().gated_act_forward(gu, activation)
+
+
+@kernel_op("gated_act_bwd_triton(Tensor dh, Tensor gu, Tensor(a!) dgu, int activation, bool need_db) -> Tensor dbias",
+           _act_bwd_fake)
+def gated_act_bwd_triton(dh, gu, dgu, activation, need_db):
+    """dgu = [dh * u * act'(g) | dh * act(g)] (dgu may be gu: in place); the fp32 column sums of
+    dgu (2H,), empty unless need_db (as gated_act_bwd_cuda)."""
+    db = _triton().gated_act_backward(dh, gu, dgu, activation, need_db)
+    return db if need_db else dh.new_empty(0, dtype=torch.float32)
 
 
 def _register_extension_fakes():

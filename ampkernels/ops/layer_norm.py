@@ -17,13 +17,13 @@ as the ops norm_{fwd,bwd}_cuda (the extension) and norm_{fwd,bwd}_triton (regist
 Their fakes are here, one per pass for every backend. The kernel backends need the extension.
 """
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _extension, backends, reference
+from .shared import kernel_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -64,24 +64,20 @@ def _bwd_fake(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, wa
             x.new_empty(n if want_dbias else 0, dtype=pd))
 
 
-@torch.library.custom_op("ampkernels::norm_fwd_triton", mutates_args=())
-def norm_fwd_triton(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-                    eps: float, is_rms: bool, out_dtype: Optional[torch.dtype], residual_in_fp32: bool,
-                    want_stats: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@kernel_op("norm_fwd_triton(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool is_rms, "
+           "ScalarType? out_dtype, bool residual_in_fp32, bool want_stats=True) -> "
+           "(Tensor out, Tensor residual_out, Tensor mean, Tensor rstd)", _fwd_fake)
+def norm_fwd_triton(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats=True):
     return _triton().norm_fwd(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, want_stats)
 
 
-@torch.library.custom_op("ampkernels::norm_bwd_triton", mutates_args=())
-def norm_bwd_triton(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor,
-                    dresidual_out: Optional[Tensor], is_rms: bool, want_dweight: bool, want_dbias: bool,
-                    dx_dtype: torch.dtype, dresidual_dtype: Optional[torch.dtype],
-                    param_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@kernel_op("norm_bwd_triton(Tensor dy, Tensor x, Tensor? weight, Tensor mean, Tensor rstd, Tensor? dresidual_out, "
+           "bool is_rms, bool want_dweight, bool want_dbias, ScalarType dx_dtype, ScalarType? dresidual_dtype, "
+           "ScalarType? param_dtype) -> (Tensor dx, Tensor dresidual, Tensor dweight, Tensor dbias)", _bwd_fake)
+def norm_bwd_triton(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype,
+                    dresidual_dtype, param_dtype):
     return _triton().norm_bwd(dy, x, weight, mean, rstd, dresidual_out, is_rms, want_dweight, want_dbias, dx_dtype,
                               dresidual_dtype, param_dtype)
-
-
-norm_fwd_triton.register_fake(_fwd_fake)
-norm_bwd_triton.register_fake(_bwd_fake)
 
 
 def _norm_fake(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend, bwd_backend):

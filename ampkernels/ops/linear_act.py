@@ -27,14 +27,12 @@ the ops linear_act_{fwd,bwd}_cuda and act_backward_cuda_ (the extension) and the
 registered here. Their fakes are here. The kernel backends need the extension.
 """
 import math
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _extension, backends, reference
-from .shared import autocast_dtypes, gemm_unsupported
+from .shared import autocast_dtypes, gemm_unsupported, kernel_op
 from ..triton import device_index, device_properties
 
 _ACT_SET = frozenset(reference.ACTIVATIONS)
@@ -49,40 +47,7 @@ def _fp32_empty(t):
     return t.new_empty(0, dtype=torch.float32)
 
 
-# ---------------------------------------------------------------- the Triton kernels, as ops
-
-@torch.library.custom_op("ampkernels::linear_act_fwd_triton", mutates_args=())
-def linear_act_fwd_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: int,
-                          store_pre: bool) -> tuple[Tensor, Tensor]:
-    """(y, pre) for 2-D contiguous x (M, K), weight (N, K); pre = x W^T + b in x's dtype when
-    store_pre, else an empty (0, 0) tensor (as linear_act_fwd_cuda)."""
-    return _triton().linear_act_fwd(x, weight, bias, activation, store_pre)
-
-
-@torch.library.custom_op("ampkernels::linear_act_dz_triton", mutates_args=())
-def linear_act_dz_triton(dy: Tensor, saved: Tensor, activation: int, need_db: bool) -> tuple[Tensor, Tensor]:
-    """(dz, dbias): dz = dy * act'(saved) in dy's dtype, empty for identity (dz is dy itself);
-    dbias the fp32 column sums of dz in a fixed order, empty unless need_db."""
-    tk = _triton()
-    if activation == 0:
-        return dy.new_empty(0), tk.column_sums(dy) if need_db else _fp32_empty(dy)
-    dz, db = tk.linear_act_dz(dy, saved, activation, need_db)
-    return dz, db if need_db else _fp32_empty(dy)
-
-
-@torch.library.custom_op("ampkernels::act_fwd_triton", mutates_args=())
-def act_fwd_triton(pre: Tensor, activation: int) -> Tensor:
-    """act(pre) by the forward epilogue's formulas: the forward's output bit for bit."""
-    return _triton().act_forward(pre, activation)
-
-
-@torch.library.custom_op("ampkernels::act_backward_triton_", mutates_args=("dy",))
-def act_backward_triton_(dy: Tensor, saved: Tensor, activation: int, need_db: bool) -> Tensor:
-    """dy *= act'(saved) IN PLACE; the fp32 column sums of the result, empty unless need_db
-    (as act_backward_cuda_)."""
-    db = _triton().linear_act_dz(dy, saved, activation, need_db, out=dy)[1]
-    return db if need_db else _fp32_empty(dy)
-
+# ---------------------------------------------------------------- the kernel ops' fakes
 
 def _fwd_fake(x, weight, bias, activation, store_pre, fuse=True):
     m, n = x.shape[0], weight.shape[0]
@@ -108,10 +73,41 @@ def _linear_act_fake(x, weight, bias, activation, cast_to, recompute, backend):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-linear_act_fwd_triton.register_fake(_fwd_fake)
-linear_act_dz_triton.register_fake(_dz_fake)
-act_fwd_triton.register_fake(lambda pre, activation: torch.empty_like(pre))
-act_backward_triton_.register_fake(_act_bwd_fake)
+# ---------------------------------------------------------------- the Triton kernels, as ops
+
+@kernel_op("linear_act_fwd_triton(Tensor x, Tensor weight, Tensor? bias, int activation, bool store_pre) "
+           "-> (Tensor y, Tensor pre)", _fwd_fake)
+def linear_act_fwd_triton(x, weight, bias, activation, store_pre):
+    """(y, pre) for 2-D contiguous x (M, K), weight (N, K); pre = x W^T + b in x's dtype when
+    store_pre, else an empty (0, 0) tensor (as linear_act_fwd_cuda)."""
+    return _triton().linear_act_fwd(x, weight, bias, activation, store_pre)
+
+
+@kernel_op("linear_act_dz_triton(Tensor dy, Tensor saved, int activation, bool need_db) -> (Tensor dz, Tensor dbias)",
+           _dz_fake)
+def linear_act_dz_triton(dy, saved, activation, need_db):
+    """(dz, dbias): dz = dy * act'(saved) in dy's dtype, empty for identity (dz is dy itself);
+    dbias the fp32 column sums of dz in a fixed order, empty unless need_db."""
+    tk = _triton()
+    if activation == 0:
+        return dy.new_empty(0), tk.column_sums(dy) if need_db else _fp32_empty(dy)
+    dz, db = tk.linear_act_dz(dy, saved, activation, need_db)
+    return dz, db if need_db else _fp32_empty(dy)
+
+
+@kernel_op("act_fwd_triton(Tensor pre, int activation) -> Tensor", lambda pre, activation: torch.empty_like(pre))
+def act_fwd_triton(pre, activation):
+    """act(pre) by the forward epilogue's formulas: the forward's output bit for bit."""
+    return _triton().act_forward(pre, activation)
+
+
+@kernel_op("act_backward_triton_(Tensor(a!) dy, Tensor saved, int activation, bool need_db) -> Tensor dbias",
+           _act_bwd_fake)
+def act_backward_triton_(dy, saved, activation, need_db):
+    """dy *= act'(saved) IN PLACE; the fp32 column sums of the result, empty unless need_db
+    (as act_backward_cuda_)."""
+    db = _triton().linear_act_dz(dy, saved, activation, need_db, out=dy)[1]
+    return db if need_db else _fp32_empty(dy)
 
 
 def _register_extension_fakes():

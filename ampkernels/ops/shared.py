@@ -1,8 +1,24 @@
-"""Helpers several ops share: whether the GEMM ops' kernels take an input, and F.linear's
-autocast dtype rule for the ops built on GEMMs."""
+"""Helpers several ops share: the registration of the Triton kernels as ops, whether the GEMM
+ops' kernels take an input, and F.linear's autocast dtype rule for the ops built on GEMMs."""
 import torch
 
 from .. import _extension
+
+_LIB = torch.library.Library("ampkernels", "FRAGMENT")
+
+
+def kernel_op(schema, fake):
+    """Decorator: the function becomes the op `ampkernels::<schema>` for every device, with its
+    fake. For the Triton backend's kernels, which the ops' C++ autograd calls through the
+    dispatcher: a plain kernel, below autograd, costs a call less host than
+    torch.library.custom_op's layers (3.7 against 10 us on a CPU)."""
+    def register(fn):
+        name = schema.split("(", 1)[0]
+        _LIB.define(schema)
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"ampkernels::{name}", lib=_LIB)(fake)
+        return getattr(torch.ops.ampkernels, name).default
+    return register
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
