@@ -29,8 +29,6 @@ from .. import _extension, backends, reference
 from . import linear_act as la
 from .shared import gemm_unsupported
 
-_DTYPES = (torch.float16, torch.bfloat16)
-
 
 def _fused_mlp_fake(x, w1, b1, w2, b2, activation, cast_to, backend):
     return x.new_empty(*x.shape[:-1], w2.shape[0])
