@@ -1,10 +1,12 @@
-// The torch binding of ampkernels._C: schemas (torch.ops.ampkernels.*_cuda), argument
-// checks with clear messages, a device guard, the current stream, allocation, a launch,
-// and a checked CUDA status. Kernels live in the .cu files (see ampkernels.h).
+// The torch binding of ampkernels._C: the kernel ops (torch.ops.ampkernels.*_cuda: argument
+// checks with clear messages, a device guard, the current stream, allocation, a launch, a
+// checked CUDA status; kernels in the .cu files, see ampkernels.h) and the ops the Python API
+// calls (norm, linear_act, fused_mlp, gated_linear_act, gated_mlp), their autograd in C++.
 //
 // Each op family has its own section with its own TORCH_LIBRARY_FRAGMENT, so the Python
-// side (ampkernels/ops/*.py, which registers the public custom ops in the same namespace)
-// and every section can add to the namespace independently.
+// side (ampkernels/ops/*.py, which registers the Triton kernel ops and the custom ops of
+// bias_act and linear_cross_entropy in the same namespace) and every section can add to the
+// namespace independently.
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
