@@ -376,6 +376,22 @@ c10::TypedOperatorHandle<Fn> typed_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
+// Whether an op's call builds an autograd graph: grad mode on and an input that requires grad.
+bool wants_grad(std::initializer_list<const at::Tensor*> tensors,
+                std::initializer_list<const std::optional<at::Tensor>*> optional) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : tensors)
+    if (t->requires_grad()) return true;
+  for (const std::optional<at::Tensor>* t : optional)
+    if (*t && (*t)->requires_grad()) return true;
+  return false;
+}
+
+// A dtype kept in an autograd context's saved_data, None for an absent tensor
+std::optional<at::ScalarType> dtype_of(const c10::IValue& v) {
+  return v.isNone() ? std::nullopt : std::optional<at::ScalarType>(v.toScalarType());
+}
+
 std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
@@ -490,13 +506,10 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     const std::optional<at::Tensor> weight = defined_or_none(saved[1]);
     const bool is_rms = ctx->saved_data["is_rms"].toBool();
     const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
-    const auto& res_iv = ctx->saved_data["residual_dtype"];
-    const auto& bias_iv = ctx->saved_data["bias_dtype"];
-    const std::optional<at::ScalarType> residual_dtype =
-        res_iv.isNone() ? std::nullopt : std::optional<at::ScalarType>(res_iv.toScalarType());
+    const std::optional<at::ScalarType> residual_dtype = dtype_of(ctx->saved_data["residual_dtype"]);
+    const std::optional<at::ScalarType> bias_dtype = dtype_of(ctx->saved_data["bias_dtype"]);
     const std::optional<at::ScalarType> param_dtype =
-        weight ? std::optional<at::ScalarType>(weight->scalar_type())
-               : bias_iv.isNone() ? std::nullopt : std::optional<at::ScalarType>(bias_iv.toScalarType());
+        weight ? std::optional<at::ScalarType>(weight->scalar_type()) : bias_dtype;
     at::Tensor dout = grads[0];
     if (!dout.defined()) {  // only residual_out was used
       dout = at::zeros_symint(x.sym_sizes(), x.options().dtype(ctx->saved_data["out_dtype"].toScalarType()));
@@ -520,7 +533,7 @@ struct NormTrain : public torch::autograd::Function<NormTrain> {
     at::Tensor grad_res;
     if (needs("residual_edge")) grad_res = *residual_dtype != x_dtype ? dres : dx;
     return {ctx->needs_input_grad(0) ? dx : at::Tensor(), want_dw ? dw : at::Tensor(),
-            want_db ? db.to(bias_iv.toScalarType()) : at::Tensor(), grad_res, at::Tensor(), at::Tensor(),
+            want_db ? db.to(*bias_dtype) : at::Tensor(), grad_res, at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -530,8 +543,7 @@ std::tuple<at::Tensor, at::Tensor> norm_autograd(const at::Tensor& x, const std:
                                                  const std::optional<at::Tensor>& residual, double eps, bool is_rms,
                                                  std::optional<at::ScalarType> out_dtype, bool residual_in_fp32,
                                                  c10::string_view fwd_backend, c10::string_view bwd_backend) {
-  const auto grad = [](const std::optional<at::Tensor>& t) { return t && t->requires_grad(); };
-  if (!at::GradMode::is_enabled() || !(x.requires_grad() || grad(weight) || grad(bias) || grad(residual))) {
+  if (!wants_grad({&x}, {&weight, &bias, &residual})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return norm_forward_only(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend,
                              bwd_backend);
@@ -865,10 +877,6 @@ std::optional<at::Tensor> cast_param(const std::optional<at::Tensor>& t, std::op
   return t && to ? std::optional<at::Tensor>(t->to(*to)) : t;
 }
 
-std::optional<at::ScalarType> dtype_of(const c10::IValue& v) {
-  return v.isNone() ? std::nullopt : std::optional<at::ScalarType>(v.toScalarType());
-}
-
 // dz^T inp: in `dtype` straight from the GEMM where it can write it (fp32 for 16-bit dz on CUDA,
 // where this torch has mm.dtype: 2.8 and newer), so fp32 master weights get no 16-bit copy and
 // no cast kernel (~0.2 ms for a 4096 x 16384 weight on the H200); else in dz's dtype, for the
@@ -1042,15 +1050,6 @@ at::Tensor linear_act_forward_only(const at::Tensor& x, const at::Tensor& weight
   auto [y, pre] =
       linear_fwd(backend, as_rows(x), cast_param(weight, cast_to), cast_param(bias, cast_to), activation, false);
   return like_rows_of(y, x);
-}
-
-bool wants_grad(std::initializer_list<const at::Tensor*> tensors, std::initializer_list<const std::optional<at::Tensor>*> optional) {
-  if (!at::GradMode::is_enabled()) return false;
-  for (const at::Tensor* t : tensors)
-    if (t->requires_grad()) return true;
-  for (const std::optional<at::Tensor>* t : optional)
-    if (*t && (*t)->requires_grad()) return true;
-  return false;
 }
 
 at::Tensor linear_act_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
