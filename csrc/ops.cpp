@@ -370,10 +370,25 @@ using NormBwdFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const std::optional<at::Tensor>&, bool, bool, bool, at::ScalarType, std::optional<at::ScalarType>,
     std::optional<at::ScalarType>);
 
-// The typed handle of an op of this library (looked up once per call site: keep it static).
+// A kernel op of this library (looked up once per call site: keep it static). The kernel ops have
+// no autograd kernel: when no graph is being recorded (an autograd Function's passes, no_grad), a
+// call runs below autograd and skips the boxed autograd fallback, a few us of host a call. With
+// grad mode on (a backward with create_graph) the fallback stays and marks what it cannot
+// differentiate, rather than returning results that silently do not require grad.
 template <typename Fn>
-c10::TypedOperatorHandle<Fn> typed_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+struct KernelOp {
+  c10::TypedOperatorHandle<Fn> handle;
+  template <typename... Args>
+  decltype(auto) call(Args&&... args) const {
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
+    if (!at::GradMode::is_enabled()) below.emplace();
+    return handle.call(std::forward<Args>(args)...);
+  }
+};
+
+template <typename Fn>
+KernelOp<Fn> typed_op(const char* name) {
+  return {c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>()};
 }
 
 // Whether an op's call builds an autograd graph: grad mode on and an input that requires grad.
@@ -416,7 +431,7 @@ at::Tensor like_rows_of(const at::Tensor& out, const at::Tensor& x) {
 }
 
 // The kernels of one backend. A static handle each: found once (the triton ops on their first use).
-c10::TypedOperatorHandle<NormFwdFn> norm_fwd_op(c10::string_view backend) {
+const KernelOp<NormFwdFn>& norm_fwd_op(c10::string_view backend) {
   if (backend == "cuda") {
     static const auto op = typed_op<NormFwdFn>("ampkernels::norm_fwd_cuda");
     return op;
@@ -426,7 +441,7 @@ c10::TypedOperatorHandle<NormFwdFn> norm_fwd_op(c10::string_view backend) {
   return op;
 }
 
-c10::TypedOperatorHandle<NormBwdFn> norm_bwd_op(c10::string_view backend) {
+const KernelOp<NormBwdFn>& norm_bwd_op(c10::string_view backend) {
   if (backend == "cuda") {
     static const auto op = typed_op<NormBwdFn>("ampkernels::norm_bwd_cuda");
     return op;
