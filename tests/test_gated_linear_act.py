@@ -185,6 +185,21 @@ def test_cpu_autocast_casts_like_f_linear():
     torch.testing.assert_close(h, want)
 
 
+def test_torch_path_under_autocast_is_the_eager_block_bit_for_bit():
+    # F.linear's autocast casts the fp32 parameters on the torch backend: the eager block's bits,
+    # forward and backward, for gated_linear_act and gated_mlp
+    x, wg, wu, bg, bu = (t.requires_grad_() for t in _inputs(4, 8, 6, torch.float32, "cpu"))
+    wd, bd = torch.randn(5, 6, requires_grad=True), torch.randn(5, requires_grad=True)
+    leaves = (x, wg, wu, bg, bu, wd, bd)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gla.gated_mlp(x, wg, wu, bg, bu, wd, bd, "silu", backend="torch")
+        want = F.linear(F.silu(F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    dy = torch.randn_like(out)
+    got, exp = torch.autograd.grad(out, leaves, dy), torch.autograd.grad(want, leaves, dy)
+    assert all(torch.equal(g, e) and g.dtype == e.dtype for g, e in zip(got, exp))
+
+
 def test_bad_inputs_are_clear_errors():
     x, wg, wu, bg, bu = _inputs(4, 8, 6, torch.float32, "cpu")
     f = ampkernels.gated_linear_act

@@ -130,6 +130,29 @@ def test_cpu_autocast_casts_like_f_linear():
     assert_rel_close(y, F.gelu(want.float()), torch.bfloat16)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_torch_path_under_autocast_is_f_linear_bit_for_bit(recompute):
+    # the torch backend leaves the fp32 parameters' casts to F.linear's autocast: output and
+    # gradients are the eager block's exactly; fp64 parameters, which autocast does not cast,
+    # are cast by the op
+    x, w, b = (t.requires_grad_() for t in _inputs(6, 32, 16, torch.float32, "cpu"))
+    dy = torch.randn(6, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ampkernels.linear_act(x, w, b, "gelu", backend="torch", recompute=recompute)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.gelu(F.linear(x, w, b))
+    want_grads = torch.autograd.grad(want, (x, w, b), dy)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    assert all(torch.equal(g, h) and g.dtype == h.dtype for g, h in zip(grads, want_grads))
+    w64, b64 = (t.detach().double().requires_grad_() for t in (w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y64 = ampkernels.linear_act(x, w64, b64, "gelu", backend="torch")
+    assert y64.dtype == torch.bfloat16 and torch.equal(y64, y)
+    y64.float().sum().backward()
+    assert w64.grad.dtype == torch.float64
+
+
 # ---------------------------------------------------------------- CPU tier: Triton (interpreter)
 
 needs_triton = needs_triton_ops

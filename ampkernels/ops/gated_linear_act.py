@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .. import _extension, backends, reference
 from . import linear_act as la
-from .shared import autocast_dtypes, gemm_unsupported, kernel_op
+from .shared import autocast_dtypes, gemm_unsupported, kernel_op, torch_path_params
 
 ACTIVATIONS = reference.GATED_ACTIVATIONS
 
@@ -110,8 +110,7 @@ def _eager_gated(x, wg, wu, bg, bu, activation):
 def _torch_gated_linear_act(x, wg, wu, bg, bu, activation, cast_to, recompute):
     """The eager block with torch's own autograd nodes (F.linear casts under autocast), and what
     inductor fuses under torch.compile; recompute: under torch.utils.checkpoint."""
-    if cast_to is not None:
-        wg, wu, bg, bu = (None if t is None else t.to(cast_to) for t in (wg, wu, bg, bu))
+    wg, wu, bg, bu = torch_path_params((wg, wu, bg, bu), cast_to)
     if recompute:
         from torch.utils.checkpoint import checkpoint  # imported on first use: it is not light
         return checkpoint(_eager_gated, x, wg, wu, bg, bu, activation, use_reentrant=False, preserve_rng_state=False)
@@ -235,9 +234,7 @@ def gated_mlp(x, gate_weight, up_weight, gate_bias, up_bias, down_weight, down_b
     params = (gate_weight, up_weight, gate_bias, up_bias, down_weight, down_bias)
     x, xk, params, cast_to, name, training = _prepare("gated_mlp", x, params, activation, backend)
     if name == "torch":
-        wd, bd = params[4:]
-        if cast_to is not None:
-            wd, bd = wd.to(cast_to), None if bd is None else bd.to(cast_to)
+        wd, bd = torch_path_params(params[4:], cast_to)
         return F.linear(_torch_gated_linear_act(x, *params[:4], activation, cast_to, False), wd, bd)
     out = torch.ops.ampkernels.gated_mlp.default(xk, *params, reference.activation_id(activation), cast_to, name)
     return out if xk is x else out.reshape(*x.shape[:-1], down_weight.shape[0])

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _extension, backends, reference
-from .shared import autocast_dtypes, gemm_unsupported, kernel_op
+from .shared import autocast_dtypes, gemm_unsupported, kernel_op, torch_path_params
 from ..triton import device_index, device_properties
 
 _ACT_SET = frozenset(reference.ACTIVATIONS)
@@ -130,8 +130,7 @@ def _torch_linear_act(x, weight, bias, activation, cast_to, recompute):
     """F.linear + the activation with torch's own autograd nodes (a C++ GELU backward, not a
     Python one); recompute: under torch.utils.checkpoint, which keeps x and the weights only and
     recomputes the rest in backward."""
-    if cast_to is not None:
-        weight, bias = weight.to(cast_to), None if bias is None else bias.to(cast_to)
+    weight, bias = torch_path_params((weight, bias), cast_to)
     if recompute:
         from torch.utils.checkpoint import checkpoint  # imported on first use: it is not light
         return checkpoint(_linear_then_act, x, weight, bias, activation, use_reentrant=False,

@@ -51,3 +51,13 @@ def autocast_dtypes(op, x, params, names, what="x, weight and bias"):
         got = ", ".join(f"{n} {None if t is None else t.dtype}" for n, t in zip(("x", *names), (x, *params)))
         raise TypeError(f"{op}: {what} must share a dtype (as for F.linear), got {got}")
     return x, None
+
+
+def torch_path_params(params, cast_to):
+    """The parameters for F.linear on the torch backend. cast_to is set under autocast only, where
+    F.linear casts fp32/fp16/bf16 parameters itself (in C++, cached for the autocast region): the
+    same bits as a cast here, with a Python call less each; fp64, which autocast leaves alone, is
+    cast here."""
+    if cast_to is None:
+        return params
+    return tuple(t.to(cast_to) if t is not None and t.dtype == torch.float64 else t for t in params)
