@@ -76,8 +76,41 @@ def test_e2e_vit_without_timm(monkeypatch):
     work = bench_e2e.build_vit("tiny", 2)
     assert type(work.model).__name__ == "ViTForImageClassification" and "timm not importable" in work.library
     rec = Recorder(None)
-    row = bench_e2e.train(rec, work, "fp32", False, 2, "cpu")
+    [row] = bench_e2e.train_group(rec, work, ["fp32"], False, 2, "cpu")
     assert row["model"] == "vit" and row["images_per_s"] > 0 and row["final_loss"] > 0
+
+
+def test_e2e_groups_pair_each_mode_with_its_converted_one():
+    assert bench_e2e.groups(["fp32", "amp_bf16", "amp_bf16_convert", "amp_fp16_convert", "amp_fp16"]) == \
+        [["fp32"], ["amp_bf16", "amp_bf16_convert"], ["amp_fp16", "amp_fp16_convert"]]
+    assert bench_e2e.groups(["amp_bf16_convert"]) == [["amp_bf16_convert"]]
+
+
+def test_e2e_timed_steps_take_turns(monkeypatch):
+    # untimed steps mode after mode, then bursts in alternating order; a mode that fails to
+    # start leaves an error row and the rest of its group runs
+    calls = []
+
+    class FakeRun:
+        def __init__(self, work, mode, compiled, device):
+            if mode == "fp32_convert":
+                raise RuntimeError("no")
+            self.mode = mode
+
+        def run(self, n, timed):
+            calls.append((self.mode, n, timed))
+
+    monkeypatch.setattr(bench_e2e, "_Run", FakeRun)
+    monkeypatch.setattr(bench_e2e, "_row", lambda rec, work, r, steps: r.mode)
+    rec = Recorder(None)
+    work = argparse.Namespace(name="m")
+    assert bench_e2e.train_group(rec, work, ["amp_bf16", "amp_bf16_convert"], False, 20, "cpu") == \
+        ["amp_bf16", "amp_bf16_convert"]
+    a, b = "amp_bf16", "amp_bf16_convert"
+    assert calls == [(a, 10, False), (b, 10, False), (a, 3, True), (b, 3, True), (b, 3, True), (a, 3, True),
+                     (a, 3, True), (b, 3, True), (b, 1, True), (a, 1, True)]
+    assert bench_e2e.train_group(rec, work, ["fp32", "fp32_convert"], False, 4, "cpu") == ["fp32"]
+    assert [r["op"] for r in rec.rows] == ["e2e m fp32_convert eager"] and "no" in rec.rows[0]["value"]
 
 
 def test_e2e_slicing_options():

@@ -15,12 +15,17 @@ modes is the arithmetic: every mode starts from the same weights (one model buil
 copied per mode) and sees the same batches, and the loss after N steps shows whether
 converting changed accuracy. Fused AdamW.
 
-Rows (op "e2e"): model, mode, compiled, ms per step (median of the timed steps: the second
-half; CUDA events around the whole step: forward, backward, GradScaler, optimizer), host ms
-(the median time the host took to issue a step, until it waits for the GPU: near ms, the step
-waits on the host), tokens/s (images/s for ViT), peak memory (max_memory_allocated from after the model and
-optimizer are built), loss after the last step, first-step time (compilation included),
-steps, and for convert modes the call made and how many modules it replaced.
+Each unconverted mode is run beside its converted one: the first half of the steps mode after
+mode, the timed second half in bursts of a few steps taking the two in turn, so that the host's
+drift over a run (eager steps wait on the host) reaches both alike.
+
+Rows (op "e2e"): model, mode, compiled, ms per step (median of the timed steps; CUDA events
+around the whole step: forward, backward, GradScaler, optimizer), host ms (the median time the
+host took to issue a step, until it waits for the GPU: near ms, the step waits on the host),
+tokens/s (images/s for ViT), peak memory (the mode's own: max_memory_allocated over its
+untimed steps, less what was allocated before its model was built), loss after the last step,
+first-step time (compilation included), steps, and for convert modes the call made and how
+many modules it replaced.
 
 Without a GPU a tiny CPU version runs (tiny configs, 3 steps, eager, fp32 and bf16 autocast,
 each with and without convert): it checks the machinery end to end; its times say nothing
@@ -67,6 +72,7 @@ SIZES = {
             "tiny": dict(layers=2, hidden=64, heads=4, image=32, patch=8, classes=10, batch=4)},
 }
 STEPS = {"full": 30, "quick": 10, "tiny": 3}
+BURST = 3  # timed steps of one mode before the next mode of its group takes its turn
 MASK_ID = 103  # BERT's [MASK]
 
 
@@ -281,44 +287,96 @@ def training_step(work, model, fwd, dtype, device):
     return step
 
 
-def train(recorder, work, mode, compiled, steps, device):
-    """One mode: train a copy of work.model for `steps` steps; one row."""
-    dtype, converts = MODES[mode]
-    model, replaced, fused_loss = model_copy(work, converts, device)
-    fwd = model
+class _Run:
+    """One mode of one model, trained step by step: its copy of the model, optimizer and step
+    function, and what its steps measured."""
+
+    def __init__(self, work, mode, compiled, device):
+        self.mode, self.compiled, self.device = mode, compiled, device
+        self.cuda = device == "cuda"
+        dtype, converts = MODES[mode]
+        self.dtype, self.converts = dtype, converts
+        # peak memory counts this run's own allocations: others of its group stay allocated
+        self.base_bytes = torch.cuda.memory_allocated() if self.cuda else 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.model, self.replaced, self.fused_loss = model_copy(work, converts, device)
+        self.step = training_step(work, self.model, torch.compile(self.model) if compiled else self.model, dtype,
+                                  device)
+        self.timer, self.times, self.host = _StepTimer(device), [], []
+        self.first_s = self.loss = self.peak_GiB = None
+
+    def run(self, n, timed):
+        for _ in range(n):
+            self.timer.start()
+            self.loss = self.step()
+            issued = self.timer.issued()
+            ms, wall = self.timer.stop()
+            if self.first_s is None:
+                self.first_s = wall  # includes compilation under torch.compile
+            if timed:
+                self.times.append(ms)
+                self.host.append(issued)
+        if self.cuda and self.peak_GiB is None:  # after the untimed steps, before the next run is built
+            self.peak_GiB = round((torch.cuda.max_memory_allocated() - self.base_bytes) / 2**30, 2)
+
+
+def _started(work, mode, compiled, device, steps):
+    run = _Run(work, mode, compiled, device)
+    run.run(steps, timed=False)
+    return run
+
+
+def train_group(recorder, work, modes, compiled, steps, device):
+    """Train a copy of work.model per mode for `steps` steps each; one row per mode.
+
+    The first half of each mode's steps runs mode after mode (first-step time, peak memory);
+    the timed second half runs in bursts of BURST steps taking the modes in turn, in alternating
+    order (A B, B A, ...), so that a drift of the host's speed during the run reaches every mode
+    alike: eager steps wait on the host, and the host's speed varies over seconds."""
     if compiled:
         torch._dynamo.reset()
-        fwd = torch.compile(model)
-    step = training_step(work, model, fwd, dtype, device)
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    timer, times, host, first_s, loss = _StepTimer(device), [], [], None, None
     warm = max(1, steps // 2)
-    for i in range(steps):
-        timer.start()
-        loss = step()
-        issued = timer.issued()
-        ms, wall = timer.stop()
-        if i == 0:
-            first_s = wall  # includes compilation under torch.compile
-        if i >= warm:
-            times.append(ms)
-            host.append(issued)
-    ms = statistics.median(times)
+    runs = [guard(recorder, f"e2e {work.name} {mode}" + (" compile" if compiled else " eager"), _started, work, mode,
+                  compiled, device, warm) for mode in modes]
+    runs = [r for r in runs if r is not None]  # a mode that failed has its error row; the others go on
+    left, turn = steps - warm, 0
+    while left > 0:
+        n = min(BURST, left)
+        for r in runs if turn % 2 == 0 else runs[::-1]:
+            r.run(n, timed=True)
+        left, turn = left - n, turn + 1
     if compiled:
         torch._dynamo.reset()
+    return [_row(recorder, work, r, steps) for r in runs]
+
+
+def _row(recorder, work, r, steps):
+    ms = statistics.median(r.times)
     return recorder.add(
-        op="e2e", model=work.name, mode=mode, compiled=compiled, provider=mode + ("_compile" if compiled else ""),
-        **{"pass": "train_step"}, dtype=str(dtype or torch.float32).replace("torch.", ""), shape=work.shape,
-        device=device, metric="ms" if cuda else "ms (CPU, not a GPU number)", value=round(ms, 2), ms=ms,
-        host_ms=round(statistics.median(host), 2),
-        **{f"{work.unit}_per_s": round(work.items / ms * 1e3)},
-        peak_mem_GiB=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        final_loss=round(loss.item(), 4), first_step_s=round(first_s, 3), steps=steps, timed_steps=len(times),
-        converted=replaced, convert_call=_convert_call(work) if converts else None, fused_loss=fused_loss,
-        params_M=round(sum(p.numel() for p in model.parameters()) / 1e6, 1), library=work.library)
+        op="e2e", model=work.name, mode=r.mode, compiled=r.compiled,
+        provider=r.mode + ("_compile" if r.compiled else ""), **{"pass": "train_step"},
+        dtype=str(r.dtype or torch.float32).replace("torch.", ""), shape=work.shape, device=r.device,
+        metric="ms" if r.cuda else "ms (CPU, not a GPU number)", value=round(ms, 2), ms=ms,
+        host_ms=round(statistics.median(r.host), 2), **{f"{work.unit}_per_s": round(work.items / ms * 1e3)},
+        peak_mem_GiB=r.peak_GiB, final_loss=round(r.loss.item(), 4), first_step_s=round(r.first_s, 3), steps=steps,
+        timed_steps=len(r.times), converted=r.replaced, convert_call=_convert_call(work) if r.converts else None,
+        fused_loss=r.fused_loss, params_M=round(sum(p.numel() for p in r.model.parameters()) / 1e6, 1),
+        library=work.library)
+
+
+def groups(modes):
+    """The modes in the groups whose timed steps interleave: each unconverted mode with its
+    converted one (the pair a speed-up compares), any other mode alone; in the order given."""
+    out, seen = [], set()
+    for mode in modes:
+        if mode in seen:
+            continue
+        base = mode.removesuffix("_convert")
+        pair = [m for m in (base, base + "_convert") if m in modes and m not in seen]
+        out.append(pair)
+        seen.update(pair)
+    return out
 
 
 def add_arguments(p):
@@ -361,11 +419,10 @@ def run(recorder, dtypes, quick, models=None, modes=None, compile_modes=(False, 
         work = guard(recorder, f"e2e {name} build", BUILDERS[name], size, steps)
         if work is None:
             continue
-        cases = [(mode, compiled) for compiled in compile_modes for mode in modes]
-        label = lambda c: c[0] + (" compile" if c[1] else " eager")  # noqa: E731
-        for mode, compiled in progress(cases, f"e2e {name} {work.shape}", label):
-            guard(recorder, f"e2e {name} {label((mode, compiled))}", train, recorder, work, mode, compiled, steps,
-                  device)
+        cases = [(group, compiled) for compiled in compile_modes for group in groups(modes)]
+        label = lambda c: " + ".join(c[0]) + (" compile" if c[1] else " eager")  # noqa: E731
+        for group, compiled in progress(cases, f"e2e {name} {work.shape}", label):
+            train_group(recorder, work, group, compiled, steps, device)
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
