@@ -12,7 +12,7 @@ from ampkernels.bench import bench_e2e, bench_host, readme_table
 from ampkernels.bench.common import Recorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-H200 = os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-03-4895866-e2e.jsonl")
+H200 = os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-04-bb091ed-e2e.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +147,13 @@ def test_readme_table(e2e_run, tmp_path, capsys):
     assert [(line[2:].split(" (")[0], line.split(" | ")[1]) for line in body] == \
         [(m, dt) for m in ("GPT-2 small", "LLaMA-style", "BERT-base MLM", "ViT-B/16")
          for dt in ("fp16", "bf16", "bf16")]
-    assert any(line.startswith("| GPT-2 small (L=12,H=768,B=8,S=1024) | bf16 | — | 61.7 | 37.8 (1.63x) | "
-                               "24.2 | 24.6 (0.98x) | 0.38 / 0.69 | +0.0002 / +0.0000 |") for line in body), body
+    assert any(line.startswith("| GPT-2 small (L=12,H=768,B=8,S=1024) | bf16 | 171.6 (3.00x) | 57.3 | 28.7 (1.99x) | "
+                               "23.8 | 22.8 (1.04x) | 0.38 / 0.69 | +0.0007 / +0.0001 |") for line in body), body
     vit = next(line for line in body if line.startswith("| ViT-B/16 (L=2"))
     cells = vit.strip("| ").split(" | ")
     assert cells[7] == "0.80 / 1.00" and cells[6].endswith("x)") and cells[8].count("/") == 1
     commits = block.split("commit ", 1)[1].split(", 2026")[0].split(", ")
-    assert "NVIDIA H200, cpu" in block and "4895866" in commits
+    assert "NVIDIA H200, cpu" in block and "bb091ed" in commits
     assert "[x.jsonl](benchmarks/results/x.jsonl)" in block
 
     readme = tmp_path / "README.md"
