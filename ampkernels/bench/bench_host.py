@@ -8,7 +8,10 @@ Cases, all under autocast with fp32 parameters and 16-bit x (the AMP case), at t
 - layer_norm / rms_norm, with and without a residual, against F.layer_norm / F.rms_norm
   (after x + residual);
 - linear_act (gelu_tanh, relu) against F.linear followed by the activation;
-- FusedMLP (256 -> 1024 -> 256, gelu_tanh) against the Linear-GELU-Linear it is.
+- FusedMLP (256 -> 1024 -> 256, gelu_tanh) against the Linear-GELU-Linear it is;
+- the norm modules as convert(model, norm_out_dtype="autocast") puts them in a pre-norm
+  transformer whose residual stream is fp32 (timm's ViT): 3-D fp32 x (2 x 4 rows of 256),
+  ampkernels.nn.LayerNorm / RMSNorm against torch.nn's, the module call included.
 
 Each call runs in its own autocast region (a step's forward casts each parameter once; one
 region around all calls would let torch reuse its cached casts). Host time of a call: the wall
@@ -85,13 +88,32 @@ def _mlp_case(device, dtype):
     return (x, *mlp.parameters()), (lambda: torch.nn.Sequential.forward(mlp, x)), ours
 
 
+def _norm_module_case(op):
+    import ampkernels.nn as aknn
+
+    def setup(device, dtype):
+        x = torch.randn(2, ROWS // 2, HIDDEN, device=device, requires_grad=True)  # fp32: the stream
+        theirs, ours = (torch.nn.LayerNorm, aknn.LayerNorm) if op == "layer_norm" else (torch.nn.RMSNorm, aknn.RMSNorm)
+        module, eager = ours(HIDDEN, out_dtype="autocast").to(device), theirs(HIDDEN).to(device)
+        for name, p in module.named_parameters():
+            setattr(eager, name, p)  # one set of parameters: both calls differentiate the same inputs
+
+        def call(backend):
+            module.backend = backend
+            return lambda: module(x)
+        return (x, *module.parameters()), (lambda: eager(x)), call
+    return setup
+
+
 CASES = {"layer_norm": ("layer_norm", _norm_case("layer_norm", False)),
          "layer_norm+residual": ("layer_norm", _norm_case("layer_norm", True)),
          "rms_norm": ("rms_norm", _norm_case("rms_norm", False)),
          "rms_norm+residual": ("rms_norm", _norm_case("rms_norm", True)),
          "linear_act gelu_tanh": ("linear_act", _linear_case("gelu_tanh")),
          "linear_act relu": ("linear_act", _linear_case("relu")),
-         "fused_mlp": ("fused_mlp", _mlp_case)}
+         "fused_mlp": ("fused_mlp", _mlp_case),
+         "layer_norm module (fp32 stream)": ("layer_norm", _norm_module_case("layer_norm")),
+         "rms_norm module (fp32 stream)": ("rms_norm", _norm_module_case("rms_norm"))}
 
 
 def _sync(device):
@@ -166,7 +188,7 @@ def _one(recorder, dtype, case, provider, calls, repeats, device):
     name = "torch" if provider == "eager" else f"ampkernels-{provider}"
     for pss, us in (("fwd", fwd_us), ("bwd", bwd_us)):
         recorder.add(op=op, case=case, provider=name, **{"pass": pss}, dtype=str(dtype).replace("torch.", ""),
-                     shape=f"{ROWS}x{HIDDEN}", device=device, bench="host",
+                     shape="x".join(map(str, inputs[0].shape)), device=device, bench="host",
                      metric="host us" if device == "cuda" else "host us (CPU demo)", value=round(us, 1),
                      host_us=us, calls=calls, repeats=repeats)
 
