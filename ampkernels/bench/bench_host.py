@@ -3,7 +3,7 @@ replaces, forward and backward apart (issue 32: an op must cost the host no more
 
     ampkernels bench --op host
 
-Cases, all under autocast with fp32 parameters and 16-bit x (the AMP case), at tiny shapes
+Cases, all under autocast with fp32 parameters and (but for the last two) 16-bit x, at tiny shapes
 (8 rows of 256) so that the GPU never holds the host back:
 - layer_norm / rms_norm, with and without a residual, against F.layer_norm / F.rms_norm
   (after x + residual);
