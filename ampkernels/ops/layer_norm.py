@@ -104,7 +104,7 @@ def _preferences(x, param_dtype, compiling):
     Both backends save the same tensors (fp32 mean/rstd, the normalised input), so "auto" may run
     the forward on one and the backward on the other. From the H200 norm benchmark
     (ampkernels/bench/bench_layer_norm.py, fp16/bf16, M*N = 2^27, N = 768..16384; the numbers are
-    in docs/performance.md and benchmarks/results/h200-2026-12-01-8adf50d-norms.jsonl):
+    in docs/performance.md, which names the rows' file):
     - forward, params in x's dtype: Triton (3.98-4.18 TB/s against CUDA's 3.78-4.09);
     - forward of 16-bit x with fp32 params (the AMP case): CUDA, ahead at every N for LayerNorm;
     - backward: CUDA. Triton's kernels are as fast from a CUDA graph, but a Triton call costs the

@@ -142,7 +142,7 @@ def _torch_linear_act(x, weight, bias, activation, cast_to, recompute):
 
 # "auto": backends to try, fastest first, per (compute capability major, dtype, activation,
 # shape bucket, training). Filled from one full H200 run of ampkernels/bench/bench_linear_act.py
-# (benchmarks/results/h200-2026-12-01-9836fa4-linear-act.jsonl): per cell the fastest of cuda /
+# (its rows: docs/performance.md, linear_act section): per cell the fastest of cuda /
 # triton / torch (eager F.linear + activation) over the bucket's shapes, times summed; a fused
 # kernel within 1% of eager counts as a tie and is kept. `python -m ampkernels.bench.bench_linear_act
 # --auto-table FILE [FILE ...]` prints the rows below from a run; tests/test_cli.py checks them.

@@ -1,6 +1,6 @@
 """LayerNorm / RMSNorm in Gluon: the backward for rows of 8200-16384 elements and the forward of
 16-bit x with fp32 params for rows of 4104-16384, where the Triton kernels of layer_norm.py fall
-short (H200, benchmarks/results/h200-2026-12-01-fe3f7e8-norms-report.txt / -norms.jsonl):
+short (H200 norm benchmark; docs/performance.md names its rows):
 - backward: the RELOAD kernel cannot hold a LayerNorm row of 16384 elements and the
   dweight/dbias sums in registers, so it reads x and dy twice through Triton's pipeliner: 2.56-2.65
   TB/s, against 3.24-3.27 for the CUDA backend's pipelined kernel (target 85% of 3.2);
