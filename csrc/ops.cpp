@@ -19,6 +19,9 @@
 #include <ATen/ops/linear.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 #include <torch/version.h>
@@ -411,6 +414,22 @@ std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// A new autograd node of type T, owned the way this torch owns nodes: std::shared_ptr (with
+// torch's iterative deleter) up to torch 2.11, c10::intrusive_ptr after.
+using NodePtr = decltype(torch::autograd::Edge().function);
+template <typename T>
+c10::intrusive_ptr<T> make_node_impl(std::true_type) {
+  return c10::make_intrusive<T>();
+}
+template <typename T>
+std::shared_ptr<T> make_node_impl(std::false_type) {
+  return std::shared_ptr<T>(new T(), [](auto* node) { deleteNode(node); });  // found by ADL: Node's namespace
+}
+template <typename T>
+auto make_node() {
+  return make_node_impl<T>(std::integral_constant<bool, !std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>>());
+}
+
 // The (rows, last dim) view the kernels take of a contiguous t of any rank (t itself when 2-D).
 // Made inside an autograd Function's passes, it adds no autograd node.
 at::Tensor as_rows(const at::Tensor& t) {
@@ -482,75 +501,56 @@ std::tuple<at::Tensor, at::Tensor> norm_forward_only(const at::Tensor& x, const 
   return {out, res_out};
 }
 
-// The contract (docs/design.md, layer_norm): the backward re-reads what was
-// normalised (x, or the stored residual sum), dbias comes back in bias's dtype, dresidual in the
-// residual's (dx itself when that is x's), and an unused `out` gets a zero gradient.
-struct NormTrain : public torch::autograd::Function<NormTrain> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                                                const std::optional<at::Tensor>& weight,
-                                                const std::optional<at::Tensor>& bias,
-                                                const std::optional<at::Tensor>& residual, double eps, bool is_rms,
-                                                std::optional<at::ScalarType> out_dtype, bool residual_in_fp32,
-                                                c10::string_view fwd_backend, c10::string_view bwd_backend) {
-    // what is saved is the input or the returned output itself, whose version counter catches
-    // in-place edits before backward
-    auto [out, res_out, mean, rstd] =
-        norm_forward_rows(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend, true);
-    ctx->save_for_backward({residual ? res_out : x, weight ? *weight : at::Tensor(), mean, rstd});
-    ctx->set_materialize_grads(false);
-    ctx->saved_data["is_rms"] = is_rms;
-    ctx->saved_data["bwd_backend"] = std::string(bwd_backend);
-    ctx->saved_data["x_dtype"] = x.scalar_type();
-    ctx->saved_data["out_dtype"] = out.scalar_type();
-    ctx->saved_data["residual_dtype"] =
-        residual ? c10::IValue(residual->scalar_type()) : c10::IValue();
-    ctx->saved_data["bias_dtype"] = bias ? c10::IValue(bias->scalar_type()) : c10::IValue();
-    // needs_input_grad counts the tensor inputs only (an absent weight, bias or residual has no edge)
-    int64_t edge = 1;
-    ctx->saved_data["weight_edge"] = weight ? edge++ : int64_t(-1);
-    ctx->saved_data["bias_edge"] = bias ? edge++ : int64_t(-1);
-    ctx->saved_data["residual_edge"] = residual ? edge++ : int64_t(-1);
-    if (!residual) ctx->mark_non_differentiable({res_out});
-    return {out, res_out};
+// The norm's autograd node, written as torch's generated nodes are (typed fields, no
+// torch::autograd::Function): a custom Function's context (a string-keyed map, a generic
+// output wrapper) cost the host ~6 us more per norm than torch's own LayerNorm node.
+// The contract (docs/design.md, layer_norm): the backward re-reads what was normalised (x, or
+// the stored residual sum), dbias comes back in bias's dtype, dresidual in the residual's (dx
+// itself when that is x's), and an unused `out` gets a zero gradient. Next edges: x, weight,
+// bias, residual (an absent one has an invalid edge).
+struct NormBackward : public torch::autograd::Node {
+  std::string name() const override { return "ampkernels::NormBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    input_.reset_data();
+    weight_.reset_data();
+    mean_.reset_data();
+    rstd_.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const std::optional<at::Tensor> weight = defined_or_none(saved[1]);
-    const bool is_rms = ctx->saved_data["is_rms"].toBool();
-    const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
-    const std::optional<at::ScalarType> residual_dtype = dtype_of(ctx->saved_data["residual_dtype"]);
-    const std::optional<at::ScalarType> bias_dtype = dtype_of(ctx->saved_data["bias_dtype"]);
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor x = input_is_output ? input_.unpack(getptr()) : input_.unpack();
+    const at::Tensor w = weight_.unpack();
+    const std::optional<at::Tensor> weight = defined_or_none(w);
     const std::optional<at::ScalarType> param_dtype =
         weight ? std::optional<at::ScalarType>(weight->scalar_type()) : bias_dtype;
     at::Tensor dout = grads[0];
-    if (!dout.defined()) {  // only residual_out was used
-      dout = at::zeros_symint(x.sym_sizes(), x.options().dtype(ctx->saved_data["out_dtype"].toScalarType()));
-    }
-    const at::Tensor& dres_out = grads[1];
-    const auto needs = [&](const char* key) {
-      const int64_t e = ctx->saved_data[key].toInt();
-      return e >= 0 && ctx->needs_input_grad(size_t(e));
-    };
-    const bool want_dw = needs("weight_edge");
-    const bool want_db = needs("bias_edge");
+    if (!dout.defined()) dout = at::zeros_symint(x.sym_sizes(), x.options().dtype(out_dtype));  // only residual_out used
+    const at::Tensor dres_out = grads.size() > 1 ? grads[1] : at::Tensor();
+    const bool want_dx = task_should_compute_output(0);
+    const bool want_dw = task_should_compute_output(1);
+    const bool want_db = task_should_compute_output(2);
+    const bool want_dres = task_should_compute_output(3);
     const auto rows = [](const at::Tensor& t) { return as_rows(t.contiguous()); };
-    auto [dx, dres, dw, db] = norm_bwd_op(ctx->saved_data["bwd_backend"].toStringRef()).call(
-        rows(dout), as_rows(x), weight, saved[2], saved[3],
-        dres_out.defined() ? std::optional<at::Tensor>(rows(dres_out)) : std::nullopt, is_rms, want_dw,
-        want_db, x_dtype, residual_dtype, param_dtype);
+    auto [dx, dres, dw, db] = bwd->call(rows(dout), as_rows(x), weight, mean_.unpack(), rstd_.unpack(),
+                                        dres_out.defined() ? std::optional<at::Tensor>(rows(dres_out)) : std::nullopt,
+                                        is_rms, want_dw, want_db, x_dtype, residual_dtype, param_dtype);
     if (x.dim() != 2) {
       dx = dx.view_symint(x.sym_sizes());
       if (dres.numel() != 0) dres = dres.view_symint(x.sym_sizes());
     }
-    at::Tensor grad_res;
-    if (needs("residual_edge")) grad_res = *residual_dtype != x_dtype ? dres : dx;
-    return {ctx->needs_input_grad(0) ? dx : at::Tensor(), want_dw ? dw : at::Tensor(),
-            want_db ? db.to(*bias_dtype) : at::Tensor(), grad_res, at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {want_dx ? dx : at::Tensor(), want_dw ? dw : at::Tensor(), want_db ? db.to(*bias_dtype) : at::Tensor(),
+            want_dres ? (*residual_dtype != x_dtype ? dres : dx) : at::Tensor()};
   }
+
+  torch::autograd::SavedVariable input_;  // x, or the residual sum (then an output of this node)
+  torch::autograd::SavedVariable weight_, mean_, rstd_;
+  const KernelOp<NormBwdFn>* bwd = nullptr;
+  bool input_is_output = false, is_rms = false;
+  at::ScalarType x_dtype = at::kFloat, out_dtype = at::kFloat;
+  std::optional<at::ScalarType> residual_dtype, bias_dtype;
 };
 
 std::tuple<at::Tensor, at::Tensor> norm_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
@@ -558,14 +558,39 @@ std::tuple<at::Tensor, at::Tensor> norm_autograd(const at::Tensor& x, const std:
                                                  const std::optional<at::Tensor>& residual, double eps, bool is_rms,
                                                  std::optional<at::ScalarType> out_dtype, bool residual_in_fp32,
                                                  c10::string_view fwd_backend, c10::string_view bwd_backend) {
+  using torch::autograd::isFwGradDefined;
+  TORCH_CHECK(!isFwGradDefined(x) && !isFwGradDefined(weight) && !isFwGradDefined(bias) && !isFwGradDefined(residual),
+              "ampkernels norm: forward-mode AD is not supported (use backend='torch')");
   if (!wants_grad({&x}, {&weight, &bias, &residual})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return norm_forward_only(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend,
                              bwd_backend);
   }
-  auto outs = NormTrain::apply(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend,
-                               bwd_backend);
-  return {outs[0], outs[1]};
+  const KernelOp<NormBwdFn>& bwd = norm_bwd_op(bwd_backend);  // an unknown name fails before any work
+  at::Tensor out, res_out, mean, rstd;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    std::tie(out, res_out, mean, rstd) =
+        norm_forward_rows(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend, true);
+  }
+  auto node = make_node<NormBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias, residual));
+  torch::autograd::set_history(out, node);
+  if (residual) torch::autograd::set_history(res_out, node);  // else res_out is empty and needs no grad
+  // saved after set_history: the residual sum is this node's output, whose version counter catches
+  // in-place edits before backward, as the input's does
+  node->input_ = torch::autograd::SavedVariable(residual ? res_out : x, residual.has_value());
+  node->weight_ = torch::autograd::SavedVariable(weight, false);
+  node->mean_ = torch::autograd::SavedVariable(mean, false);
+  node->rstd_ = torch::autograd::SavedVariable(rstd, false);
+  node->bwd = &bwd;
+  node->input_is_output = residual.has_value();
+  node->is_rms = is_rms;
+  node->x_dtype = x.scalar_type();
+  node->out_dtype = out.scalar_type();
+  if (residual) node->residual_dtype = residual->scalar_type();
+  if (bias) node->bias_dtype = bias->scalar_type();
+  return {out, res_out};
 }
 
 TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
@@ -1017,45 +1042,40 @@ at::Tensor gated_act_bwd(c10::string_view backend, const at::Tensor& dh, const a
 // Saved: x, the weight (compute dtype) and one hidden-sized tensor: the pre-activation, or for
 // ReLU the output (y > 0 exactly where pre > 0), or nothing for identity. recompute: no
 // hidden-sized tensor; backward recomputes the pre-activation (one GEMM), so the bias is saved.
-struct LinearActTrain : public torch::autograd::Function<LinearActTrain> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, int64_t activation,
-                            std::optional<at::ScalarType> cast_to, bool recompute, c10::string_view backend) {
-    const at::Tensor w = cast_param(weight, cast_to);
-    const std::optional<at::Tensor> b = cast_param(bias, cast_to);
-    const auto act = to_activation(activation, "linear_act");
-    const bool saves_hidden = act != Activation::kIdentity && !recompute;
-    const bool store_pre = saves_hidden && act != Activation::kReLU;  // ReLU's derivative reads its output
-    auto [y, pre] = linear_fwd(backend, as_rows(x), w, b, activation, store_pre);
-    y = like_rows_of(y, x);
-    ctx->save_for_backward({x, w, recompute && b ? *b : at::Tensor(),
-                            store_pre ? pre : saves_hidden ? y : at::Tensor()});
-    ctx->saved_data["activation"] = activation;
-    ctx->saved_data["grad_dtype"] = cast_to ? c10::IValue(weight.scalar_type()) : c10::IValue();
-    ctx->saved_data["has_bias"] = bias.has_value();
-    ctx->saved_data["recompute"] = recompute;
-    ctx->saved_data["backend"] = std::string(backend);
-    return y;
+// A hand-written node, as the norm's (NormBackward). Next edges: x, weight, bias.
+struct LinearActBackward : public torch::autograd::Node {
+  std::string name() const override { return "ampkernels::LinearActBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x_.reset_data();
+    weight_.reset_data();
+    bias_.reset_data();
+    saved_.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w = saved[1];
-    const std::string& backend = ctx->saved_data["backend"].toStringRef();
-    const int64_t activation = ctx->saved_data["activation"].toInt();
-    const bool need_dx = ctx->needs_input_grad(0), need_dw = ctx->needs_input_grad(1);
-    const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);  // bias: edge 2
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor x = x_.unpack(), w = weight_.unpack();
+    const at::Tensor saved = saved_is_output ? saved_.unpack(getptr()) : saved_.unpack();
+    const bool need_dx = task_should_compute_output(0), need_dw = task_should_compute_output(1);
+    const bool need_db = task_should_compute_output(2);
     const at::Tensor x2 = as_rows(x);
-    at::Tensor s = saved[3].defined() ? as_rows(saved[3]) : at::empty({0}, x.options());
-    if (ctx->saved_data["recompute"].toBool() && activation != kIdentityId)
-      s = std::get<0>(linear_fwd(backend, x2, w, defined_or_none(saved[2]), kIdentityId, false));
+    at::Tensor s = saved.defined() ? as_rows(saved) : at::empty({0}, x.options());
+    if (recompute && activation != kIdentityId)
+      s = std::get<0>(linear_fwd(backend, x2, w, defined_or_none(bias_.unpack()), kIdentityId, false));
     auto [dx, dw, db] = linear_bwd(backend, as_rows(grads[0].contiguous()), x2, w, s, activation, need_dx, need_dw,
-                                   need_db, dtype_of(ctx->saved_data["grad_dtype"]));
+                                   need_db, grad_dtype);
     if (need_dx && x.dim() != 2) dx = dx.view_symint(x.sym_sizes());
-    return {need_dx ? dx : at::Tensor(), need_dw ? dw : at::Tensor(), need_db ? db : at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+    return {need_dx ? dx : at::Tensor(), need_dw ? dw : at::Tensor(), need_db ? db : at::Tensor()};
   }
+
+  torch::autograd::SavedVariable x_, weight_, bias_;
+  torch::autograd::SavedVariable saved_;  // the pre-activation, or ReLU's output (then this node's output)
+  std::string backend;
+  int64_t activation = 0;
+  std::optional<at::ScalarType> grad_dtype;  // the weight's own dtype when it was cast for the GEMMs
+  bool recompute = false, saved_is_output = false;
 };
 
 at::Tensor linear_act_forward_only(const at::Tensor& x, const at::Tensor& weight,
@@ -1074,7 +1094,35 @@ at::Tensor linear_act_autograd(const at::Tensor& x, const at::Tensor& weight, co
     at::AutoDispatchBelowADInplaceOrView below;
     return linear_act_forward_only(x, weight, bias, activation, cast_to, recompute, backend);
   }
-  return LinearActTrain::apply(x, weight, bias, activation, cast_to, recompute, backend);
+  using torch::autograd::isFwGradDefined;
+  TORCH_CHECK(!isFwGradDefined(x) && !isFwGradDefined(weight) && !isFwGradDefined(bias),
+              "ampkernels linear_act: forward-mode AD is not supported (use backend='torch')");
+  const auto act = to_activation(activation, "linear_act");
+  const bool saves_hidden = act != Activation::kIdentity && !recompute;
+  const bool store_pre = saves_hidden && act != Activation::kReLU;  // ReLU's derivative reads its output
+  at::Tensor y, pre, w;
+  std::optional<at::Tensor> b;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    w = cast_param(weight, cast_to);
+    b = cast_param(bias, cast_to);
+    std::tie(y, pre) = linear_fwd(backend, as_rows(x), w, b, activation, store_pre);
+    y = like_rows_of(y, x);
+  }
+  auto node = make_node<LinearActBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
+  torch::autograd::set_history(y, node);
+  node->x_ = torch::autograd::SavedVariable(x, false);
+  node->weight_ = torch::autograd::SavedVariable(w, false);
+  if (recompute && b) node->bias_ = torch::autograd::SavedVariable(*b, false);
+  if (store_pre) node->saved_ = torch::autograd::SavedVariable(pre, false);
+  else if (saves_hidden) node->saved_ = torch::autograd::SavedVariable(y, true);
+  node->saved_is_output = saves_hidden && !store_pre;
+  node->backend = std::string(backend);
+  node->activation = activation;
+  node->grad_dtype = cast_to ? std::optional<at::ScalarType>(weight.scalar_type()) : std::nullopt;
+  node->recompute = recompute;
+  return y;
 }
 
 // ---- fused_mlp: act(x W1^T + b1) W2^T + b2

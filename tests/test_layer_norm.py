@@ -1192,7 +1192,7 @@ def test_cpp_autograd_matches_torch_backend(reference_as_cuda_kernels, is_rms, x
         got = _norm(is_rms, x, n, w, b, 1e-5, backend="cuda", **kw)  # the op: its C++ autograd
         want = _norm(is_rms, x, n, w, b, 1e-5, backend="torch", **kw)  # the same math, torch's autograd
         got, want = (t if isinstance(t, tuple) else (t,) for t in (got, want))
-        assert "NormTrain" in got[0].grad_fn.name() and all(t.shape == x.shape for t in got)
+        assert "NormBackward" in got[0].grad_fn.name() and all(t.shape == x.shape for t in got)
         assert all(torch.equal(a, e) and a.dtype == e.dtype for a, e in zip(got, want))
         used = got[1:] if grad_of == "residual_out" and r is not None else got
         want_used = want[1:] if grad_of == "residual_out" and r is not None else want
@@ -1210,8 +1210,40 @@ def test_cpp_autograd_of_nd_x_keeps_inplace_checks(reference_as_cuda_kernels):
     r = randn(2, 3, 48, dtype=torch.bfloat16).requires_grad_()
     w = randn(48, dtype=torch.float32, offset=1.0).requires_grad_()
     out, s = layer_norm(x, 48, w, residual=r, backend="cuda")
-    assert "NormTrain" in out.grad_fn.name() and out._base is None and s._base is None
+    assert "NormBackward" in out.grad_fn.name() and out._base is None and s._base is None
     out.mul_(2)  # outputs may be edited in place (no views)
     s.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (out.float().sum() + s.float().sum()).backward()
+
+
+def test_cpp_autograd_node_lifecycle(reference_as_cuda_kernels):
+    # the hand-written node as torch's own: saved tensors go through saved-tensor hooks (what
+    # activation checkpointing and offloading build on), retain_graph replays, a second backward
+    # without it fails clearly, and forward-mode AD is refused rather than silently dropped
+    x = randn(3, 5, 48, dtype=torch.bfloat16).requires_grad_()
+    r = randn(3, 5, 48, dtype=torch.float32).requires_grad_()
+    w = randn(48, dtype=torch.float32, offset=1.0).requires_grad_()
+    b = randn(48, dtype=torch.float32).requires_grad_()
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or len(packed) - 1,
+                                                  lambda i: packed[i]):
+        out, s = layer_norm(x, 48, w, b, residual=r, residual_in_fp32=True, backend="cuda")
+    assert len(packed) == 4 and packed[0] is s  # the residual sum, the weight, mean, rstd
+    g = randn(*out.shape, dtype=out.dtype)
+    first = torch.autograd.grad(out, (x, r, w, b), g, retain_graph=True)
+    again = torch.autograd.grad(out, (x, r, w, b), g)
+    assert all(torch.equal(a, e) and a.dtype == p.dtype for a, e, p in zip(first, again, (x, r, w, b)))
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(out, (x,), g)
+
+    def block(x):
+        return layer_norm(x, 48, w, b, backend="cuda").float().square().sum()
+    plain = torch.autograd.grad(block(x), (x, w, b))
+    ckpt = torch.autograd.grad(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False), (x, w, b))
+    assert all(torch.equal(a, e) for a, e in zip(plain, ckpt))
+
+    import torch.autograd.forward_ad as fwAD
+    for params in ((w, b), (w.detach(), b.detach())):  # building a graph or not
+        with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
+            layer_norm(fwAD.make_dual(x.detach().float(), torch.ones(3, 5, 48)), 48, *params, backend="cuda")

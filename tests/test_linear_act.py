@@ -1065,7 +1065,7 @@ def test_cpp_autograd_matches_torch_backend(reference_as_cuda_kernels, activatio
             y = la.linear_act(x, w, b, activation, recompute=recompute)  # "cuda" (patched): the op
             x2, cast_to = autocast_dtypes("linear_act", x, (w, b), ("weight", "bias"))
             want = la._torch_linear_act(x2, w, b, activation, cast_to, False)
-        assert "LinearActTrain" in y.grad_fn.name()
+        assert "LinearActBackward" in y.grad_fn.name()
         assert y.shape == want.shape == (*lead, n)
         assert y.dtype == want.dtype and torch.equal(y, want)
         got_g = torch.autograd.grad(y, leaves, g)
@@ -1081,10 +1081,38 @@ def test_cpp_autograd_of_nd_x_keeps_inplace_checks(reference_as_cuda_kernels):
     x = randn(2, 3, 24, dtype=torch.bfloat16).requires_grad_()
     w = randn(40, 24, dtype=torch.bfloat16).requires_grad_()
     y = la.linear_act(x, w, None, "relu")
-    assert "LinearActTrain" in y.grad_fn.name() and y._base is None
+    assert "LinearActBackward" in y.grad_fn.name() and y._base is None
     y.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("activation,recompute", [("gelu", False), ("relu", False), ("gelu", True)])
+def test_cpp_autograd_node_lifecycle(reference_as_cuda_kernels, activation, recompute):
+    # the hand-written node as torch's own: what it saves goes through saved-tensor hooks (x, the
+    # cast weight, then the bias if recomputing, then the hidden tensor: ReLU's is the output;
+    # under autocast x and the parameters in bf16),
+    # retain_graph replays, a second backward without it fails clearly, forward AD is refused
+    x = randn(2, 3, 24, dtype=torch.float32).requires_grad_()
+    w = randn(40, 24, dtype=torch.float32, scale=0.3).requires_grad_()
+    b = randn(40, dtype=torch.float32).requires_grad_()
+    packed = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or len(packed) - 1,
+                                                     lambda i: packed[i]):
+        y = la.linear_act(x, w, b, activation, recompute=recompute)
+    assert len(packed) == 3 and all(t.dtype == torch.bfloat16 for t in packed) and packed[0].shape == x.shape
+    assert (packed[2] is y) == (activation == "relu")
+    g = randn(*y.shape, dtype=y.dtype)
+    first = torch.autograd.grad(y, (x, w, b), g, retain_graph=True)
+    again = torch.autograd.grad(y, (x, w, b), g)
+    assert all(torch.equal(a, e) and a.dtype == torch.float32 for a, e in zip(first, again))
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(y, (x,), g)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
+        la.linear_act(fwAD.make_dual(x.detach().bfloat16(), torch.ones(2, 3, 24, dtype=torch.bfloat16)),
+                      w.bfloat16(), None, activation)
 
 
 def test_cpp_op_without_grad_runs_the_forward_alone(reference_as_cuda_kernels):
