@@ -22,21 +22,23 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
 #include <array>
+#include <cfloat>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 
 #include "ampkernels.h"
-
-// `import ampkernels._C` loads this library, which registers the ops below.
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "ampkernels compiled ops", -1, nullptr};
-  return PyModule_Create(&module_def);
-}
 
 namespace ampk {
 namespace {
@@ -1455,3 +1457,116 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
 
 }  // namespace
 }  // namespace ampk
+
+// ---------------------------------------------------------------- the modules' eager entry
+
+namespace ampk {
+namespace {
+
+using NormOpFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                                    double, bool, std::optional<at::ScalarType>, bool,
+                                                    c10::string_view, c10::string_view);
+
+// A torch.Tensor or nn.Parameter, not a subclass (whose __torch_function__ the Python path honours)
+bool plain_tensor(PyObject* obj) { return THPVariable_CheckExact(obj); }
+
+// ampkernels.nn.LayerNorm / RMSNorm's forward on the host's critical path, without the Python
+// of layer_norm() (~12 us a call on the H200's host, several times that inside a model):
+//   norm_module(x, weight, bias, eps, is_rms, out_dtype, backend, cuda_below) -> out or NotImplemented
+// It takes only the call whose answer is plain: tensors (no subclass, no torch-function mode),
+// x CUDA, contiguous, fp16/bf16/fp32, a 1-D weight over its last dim in x's dtype or fp32 (and a
+// bias so, for LayerNorm), eps a float (None: RMSNorm's default), out_dtype None, a dtype or
+// "autocast", backend None/"auto"/"cuda" with AMPKERNELS_BACKEND unset/auto/cuda, and "auto"
+// choosing the cuda kernels (ops/layer_norm.py _preferences: x.numel() < cuda_below, or 16-bit x
+// with fp32 params). It then calls the op ampkernels::norm through the dispatcher, as
+// layer_norm() does (autograd, dispatch modes and the profiler see the same op). Anything else is
+// NotImplemented: the module then runs layer_norm(), which validates and decides in full.
+PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "norm_module takes 8 arguments");
+    return nullptr;
+  }
+  PyObject *x_obj = args[0], *w_obj = args[1], *b_obj = args[2], *eps_obj = args[3], *rms_obj = args[4];
+  PyObject *dtype_obj = args[5], *backend_obj = args[6], *below_obj = args[7];
+  const bool is_rms = rms_obj == Py_True;
+  if (!plain_tensor(x_obj) || !plain_tensor(w_obj) || (b_obj != Py_None && (is_rms || !plain_tensor(b_obj))) ||
+      at::impl::torch_function_mode_enabled())
+    Py_RETURN_NOTIMPLEMENTED;
+  const at::Tensor& x = THPVariable_Unpack(x_obj);
+  const at::Tensor& w = THPVariable_Unpack(w_obj);
+  const at::ScalarType xt = x.scalar_type(), wt = w.scalar_type();
+  if (!x.is_cuda() || (xt != at::kHalf && xt != at::kBFloat16 && xt != at::kFloat) || x.dim() < 1 ||
+      x.numel() == 0 || !x.is_contiguous())
+    Py_RETURN_NOTIMPLEMENTED;
+  if (w.dim() != 1 || w.size(0) != x.size(-1) || w.device() != x.device() || !w.is_contiguous() ||
+      (wt != xt && wt != at::kFloat))
+    Py_RETURN_NOTIMPLEMENTED;
+  std::optional<at::Tensor> bias;
+  if (b_obj != Py_None) {
+    const at::Tensor& b = THPVariable_Unpack(b_obj);
+    if (b.dim() != 1 || b.size(0) != x.size(-1) || b.device() != x.device() || !b.is_contiguous() ||
+        (b.scalar_type() != xt && b.scalar_type() != at::kFloat))
+      Py_RETURN_NOTIMPLEMENTED;
+    bias = b;
+  }
+  double eps;
+  if (PyFloat_CheckExact(eps_obj)) {
+    eps = PyFloat_AS_DOUBLE(eps_obj);
+  } else if (eps_obj == Py_None && is_rms) {
+    eps = FLT_EPSILON;  // torch's RMSNorm default: the epsilon of its fp32 compute type
+  } else {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  std::optional<at::ScalarType> out_dtype;
+  if (THPDtype_Check(dtype_obj)) {
+    out_dtype = reinterpret_cast<THPDtype*>(dtype_obj)->scalar_type;
+    if (*out_dtype != at::kHalf && *out_dtype != at::kBFloat16 && *out_dtype != at::kFloat) Py_RETURN_NOTIMPLEMENTED;
+  } else if (PyUnicode_Check(dtype_obj)) {
+    if (PyUnicode_CompareWithASCIIString(dtype_obj, "autocast") != 0) Py_RETURN_NOTIMPLEMENTED;
+    if (at::autocast::is_autocast_enabled(at::kCUDA)) out_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+  } else if (dtype_obj != Py_None) {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  const auto auto_or_cuda = [](const char* name) {
+    return name == nullptr || !*name || !std::strcmp(name, "auto") || !std::strcmp(name, "cuda");
+  };
+  if (backend_obj == Py_None) {
+    if (!auto_or_cuda(std::getenv("AMPKERNELS_BACKEND"))) Py_RETURN_NOTIMPLEMENTED;
+  } else if (!PyUnicode_Check(backend_obj) || !auto_or_cuda(PyUnicode_AsUTF8(backend_obj))) {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  const long long below = PyLong_AsLongLong(below_obj);
+  if (below == -1 && PyErr_Occurred()) return nullptr;
+  if (!(x.numel() < below || (wt == at::kFloat && xt != at::kFloat))) Py_RETURN_NOTIMPLEMENTED;
+
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::norm", "").typed<NormOpFn>();
+  at::Tensor out;
+  {
+    PyThreadState* state = PyEval_SaveThread();  // as torch's own bindings, the op runs without the GIL
+    try {
+      out = std::get<0>(op.call(x, w, bias, std::nullopt, eps, is_rms, out_dtype, false, "cuda", "cuda"));
+    } catch (...) {
+      PyEval_RestoreThread(state);
+      throw;
+    }
+    PyEval_RestoreThread(state);
+  }
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef methods[] = {
+    {"norm_module", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&norm_module)), METH_FASTCALL,
+     "The norm modules' eager entry (ampkernels/nn/modules.py): the output, or NotImplemented"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+}  // namespace ampk
+
+// `import ampkernels._C` loads this library, which registers the ops above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "ampkernels compiled ops", -1, ampk::methods};
+  return PyModule_Create(&module_def);
+}

@@ -7,7 +7,7 @@ import torch
 
 import ampkernels
 import ampkernels.nn as aknn
-from ampkernels.ops import gated_linear_act as gla, mlp as mlp_ops
+from ampkernels.ops import gated_linear_act as gla, layer_norm as ln_ops, mlp as mlp_ops
 from tests.utils import assert_rel_close
 
 transformers = pytest.importorskip("transformers")
@@ -333,3 +333,70 @@ def test_explicit_backend_stays_a_custom_op_under_compile():
     out, targets = _compiled_ops(lambda x: ln(x).float().sum(), x)
     out.backward()
     assert any("ampkernels" in t for t in targets), targets
+
+
+# ---------------------------------------------------------------- the norm modules' eager entry
+
+def _entry_cases(device):
+    n = 96
+    for cls, kw in ((aknn.LayerNorm, {}), (aknn.LayerNorm, dict(bias=False)), (aknn.RMSNorm, {}),
+                    (aknn.RMSNorm, dict(eps=1e-5)), (aknn.OffsetRMSNorm, {})):
+        for xdt in (torch.float16, torch.bfloat16, torch.float32):
+            for pdt in {xdt, torch.float32}:
+                for out_dtype in (None, "autocast", torch.float16):
+                    yield cls(n, out_dtype=out_dtype, **kw).to(device, pdt), torch.randn(3, 7, n, device=device, dtype=xdt)
+
+
+def test_module_entry_declines_what_it_does_not_run():
+    # CPU tensors, subclasses and unusual arguments go to layer_norm(), which validates in full
+    entry = ln_ops.module_entry()
+    x, w = torch.randn(4, 8), torch.randn(8)
+    assert entry(x, w, None, 1e-5, False, None, None, 1 << 25) is NotImplemented
+    if ampkernels.available_backends()["cuda"][0]:
+        from ampkernels import _C
+        xc, wc = x.cuda(), w.cuda()
+        assert entry is _C.norm_module and isinstance(entry(xc, wc, None, 1e-5, False, None, None, 1 << 25), torch.Tensor)
+        class Sub(torch.Tensor):
+            pass
+        for args in ((xc.t(), wc[:4]), (xc, wc[:4]), (xc, wc.double()), (xc.double(), wc.double()),
+                     (xc.as_subclass(Sub), wc), (xc, wc.as_subclass(Sub)), (xc[:, :0], wc[:0])):
+            assert entry(*args, None, 1e-5, False, None, None, 1 << 25) is NotImplemented
+        for eps, out_dtype, backend in ((1, None, None), (1e-5, torch.float64, None), (1e-5, "auto", None),
+                                        (1e-5, None, "triton"), (1e-5, None, "torch")):
+            assert entry(xc, wc, None, eps, False, out_dtype, backend, 1 << 25) is NotImplemented
+        assert entry(xc, wc, wc, 1e-5, True, None, None, 1 << 25) is NotImplemented  # RMSNorm has no bias
+        assert entry(xc, wc, None, 1e-5, False, None, None, 8) is NotImplemented  # "auto" would pick Triton
+    else:
+        assert entry is ln_ops._declined
+
+
+@pytest.mark.gpu
+def test_module_entry_matches_the_full_path(monkeypatch):
+    # the modules' plain eager call goes straight to the op: the same outputs and gradients, bit
+    # for bit, as layer_norm() / rms_norm() on the same arguments, with and without autocast
+    import ampkernels.nn.modules as mods
+    torch.manual_seed(0)
+    for autocast in (False, True):
+        for mod, x in _entry_cases("cuda"):
+            x.requires_grad_()
+            taken = []
+            entry = ln_ops.module_entry()
+            monkeypatch.setattr(mods, "_norm_entry", lambda *a: taken.append(entry(*a)) or taken[-1])
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                got = mod(x)
+                monkeypatch.setattr(mods, "_norm_entry", ln_ops._declined)
+                want = mod(x)
+            assert len(taken) == 1 and taken[0] is got  # the entry ran the call, not the full path
+            assert got.dtype == want.dtype and torch.equal(got, want), (type(mod), x.dtype, mod.out_dtype)
+            g = torch.randn_like(got)
+            leaves = [x] + [p for p in mod.parameters()]
+            for a, e in zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g)):
+                assert a.dtype == e.dtype and torch.equal(a, e)
+    # declined: the environment asks for another backend, or a torch-function mode is on
+    mod, x = aknn.LayerNorm(64).cuda(), torch.randn(8, 64, device="cuda")
+    monkeypatch.setattr(mods, "_norm_entry", ln_ops.module_entry())
+    monkeypatch.setenv("AMPKERNELS_BACKEND", "torch")
+    assert mods._norm_entry(x, mod.weight, mod.bias, mod.eps, False, None, None, 1 << 25) is NotImplemented
+    monkeypatch.delenv("AMPKERNELS_BACKEND")
+    with torch.overrides.TorchFunctionMode():
+        assert mods._norm_entry(x, mod.weight, mod.bias, mod.eps, False, None, None, 1 << 25) is NotImplemented

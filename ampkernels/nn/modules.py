@@ -12,6 +12,7 @@ cast it anyway: the norm then writes half the bytes and the cast kernel disappea
 import torch
 
 from .. import reference
+from ..ops import layer_norm as _ln
 from ..ops.layer_norm import layer_norm, rms_norm
 from ..ops.gated_linear_act import ACTIVATIONS as GATED_ACTIVATIONS
 from ..ops.gated_linear_act import gated_mlp
@@ -32,6 +33,13 @@ def _resolve_out_dtype(out_dtype, x):
     return out_dtype
 
 
+def _norm_entry(*args):
+    # the first call binds the extension's entry (or a stand-in that declines) in its place
+    global _norm_entry
+    _norm_entry = _ln.module_entry()
+    return _norm_entry(*args)
+
+
 class LayerNorm(torch.nn.LayerNorm):
     """torch.nn.LayerNorm whose output keeps the input dtype under autocast (fp32 math inside)."""
 
@@ -41,8 +49,13 @@ class LayerNorm(torch.nn.LayerNorm):
         self.backend, self.out_dtype = backend, out_dtype
 
     def forward(self, x):
-        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
-                          out_dtype=_resolve_out_dtype(self.out_dtype, x), backend=self.backend)
+        # the plain eager call straight to the op (ops/layer_norm.py module_entry), else in full
+        out = NotImplemented if torch.compiler.is_compiling() else _norm_entry(
+            x, self.weight, self.bias, self.eps, False, self.out_dtype, self.backend, _ln._HOST_BOUND_ELEMENTS)
+        if out is NotImplemented:
+            out = layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                             out_dtype=_resolve_out_dtype(self.out_dtype, x), backend=self.backend)
+        return out
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -54,8 +67,15 @@ class RMSNorm(torch.nn.RMSNorm):
         self.backend, self.out_dtype = backend, out_dtype
 
     def forward(self, x):
-        return rms_norm(x, self.normalized_shape, self.weight, self.eps,
-                        out_dtype=_resolve_out_dtype(self.out_dtype, x), backend=self.backend)
+        return self._forward(x, self.weight)
+
+    def _forward(self, x, weight):
+        out = NotImplemented if torch.compiler.is_compiling() else _norm_entry(
+            x, weight, None, self.eps, True, self.out_dtype, self.backend, _ln._HOST_BOUND_ELEMENTS)
+        if out is NotImplemented:
+            out = rms_norm(x, self.normalized_shape, weight, self.eps, out_dtype=_resolve_out_dtype(self.out_dtype, x),
+                           backend=self.backend)
+        return out
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -75,9 +95,7 @@ class OffsetRMSNorm(RMSNorm):
             torch.nn.init.constant_(self.weight, 1.0 - self.offset)  # a scale of one, as RMSNorm's
 
     def forward(self, x):
-        w = None if self.weight is None else self.weight.float() + self.offset
-        return rms_norm(x, self.normalized_shape, w, self.eps, out_dtype=_resolve_out_dtype(self.out_dtype, x),
-                        backend=self.backend)
+        return self._forward(x, None if self.weight is None else self.weight.float() + self.offset)
 
     def extra_repr(self):
         return super().extra_repr() + f", offset={self.offset}"

@@ -253,6 +253,21 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
     return out if residual is None else (out, res_out)
 
 
+def _declined(*args):
+    return NotImplemented
+
+
+def module_entry():
+    """The norm modules' eager entry: the extension's norm_module (csrc/ops.cpp), which runs the
+    plain call of a module (CUDA x, the cuda kernels chosen) without this module's Python and
+    declines (NotImplemented) any other, where the caller runs layer_norm() / rms_norm(). Where
+    the cuda backend does not run, a stand-in that always declines."""
+    if not backends.available_backends()["cuda"][0]:
+        return _declined
+    from .. import _C
+    return _C.norm_module
+
+
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, residual=None, residual_in_fp32=False,
                out_dtype=None, backend=None):
     """LayerNorm over the trailing `normalized_shape` dims of x (fp16/bf16/fp32, any leading dims).
