@@ -117,6 +117,7 @@ def _preferences(x, param_dtype, compiling):
     """
     if compiling:
         return _TORCH, _TORCH
+    # the norm modules' eager entry (csrc/ops.cpp norm_module) takes the calls of this first rule
     if x.numel() < _HOST_BOUND_ELEMENTS or (param_dtype == torch.float32 and x.dtype != torch.float32):
         return _CUDA_FIRST, _CUDA_FIRST
     return _TRITON_FIRST, _CUDA_FIRST
