@@ -407,17 +407,12 @@ bool wants_grad(std::initializer_list<const at::Tensor*> tensors,
   return false;
 }
 
-// A dtype kept in an autograd context's saved_data, None for an absent tensor
-std::optional<at::ScalarType> dtype_of(const c10::IValue& v) {
-  return v.isNone() ? std::nullopt : std::optional<at::ScalarType>(v.toScalarType());
-}
-
 std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// A new autograd node of type T, owned the way this torch owns nodes: std::shared_ptr (with
-// torch's iterative deleter) up to torch 2.11, c10::intrusive_ptr after.
+// A new autograd node of type T, owned the way this torch owns nodes: std::shared_ptr with
+// torch's iterative deleter in older releases (2.11 among them), c10::intrusive_ptr from 2.13.
 using NodePtr = decltype(torch::autograd::Edge().function);
 template <typename T>
 c10::intrusive_ptr<T> make_node_impl(std::true_type) {
@@ -433,7 +428,7 @@ auto make_node() {
 }
 
 // The (rows, last dim) view the kernels take of a contiguous t of any rank (t itself when 2-D).
-// Made inside an autograd Function's passes, it adds no autograd node.
+// Made below autograd (an op's passes), it adds no autograd node.
 at::Tensor as_rows(const at::Tensor& t) {
   if (t.dim() == 2) return t;
   c10::SymInt rows = 1;  // not view({-1, n}): that cannot size rows of n = 0 elements
@@ -504,8 +499,8 @@ std::tuple<at::Tensor, at::Tensor> norm_forward_only(const at::Tensor& x, const 
 }
 
 // The norm's autograd node, written as torch's generated nodes are (typed fields, no
-// torch::autograd::Function): a custom Function's context (a string-keyed map, a generic
-// output wrapper) cost the host ~6 us more per norm than torch's own LayerNorm node.
+// torch::autograd::Function, whose context -- a string-keyed map, a generic output wrapper --
+// is host work per call that torch's own nodes do not do).
 // The contract (docs/design.md, layer_norm): the backward re-reads what was normalised (x, or
 // the stored residual sum), dbias comes back in bias's dtype, dresidual in the residual's (dx
 // itself when that is x's), and an unused `out` gets a zero gradient. Next edges: x, weight,
@@ -1092,13 +1087,13 @@ at::Tensor linear_act_forward_only(const at::Tensor& x, const at::Tensor& weight
 at::Tensor linear_act_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                int64_t activation, std::optional<at::ScalarType> cast_to, bool recompute,
                                c10::string_view backend) {
+  using torch::autograd::isFwGradDefined;
+  TORCH_CHECK(!isFwGradDefined(x) && !isFwGradDefined(weight) && !isFwGradDefined(bias),
+              "ampkernels linear_act: forward-mode AD is not supported (use backend='torch')");
   if (!wants_grad({&x, &weight}, {&bias})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return linear_act_forward_only(x, weight, bias, activation, cast_to, recompute, backend);
   }
-  using torch::autograd::isFwGradDefined;
-  TORCH_CHECK(!isFwGradDefined(x) && !isFwGradDefined(weight) && !isFwGradDefined(bias),
-              "ampkernels linear_act: forward-mode AD is not supported (use backend='torch')");
   const auto act = to_activation(activation, "linear_act");
   const bool saves_hidden = act != Activation::kIdentity && !recompute;
   const bool store_pre = saves_hidden && act != Activation::kReLU;  // ReLU's derivative reads its output

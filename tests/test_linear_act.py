@@ -1110,9 +1110,10 @@ def test_cpp_autograd_node_lifecycle(reference_as_cuda_kernels, activation, reco
     with pytest.raises(RuntimeError, match="second time"):
         torch.autograd.grad(y, (x,), g)
     import torch.autograd.forward_ad as fwAD
-    with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
-        la.linear_act(fwAD.make_dual(x.detach().bfloat16(), torch.ones(2, 3, 24, dtype=torch.bfloat16)),
-                      w.bfloat16(), None, activation)
+    for weight in (w.bfloat16(), w.detach().bfloat16()):  # building a graph or not
+        with fwAD.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
+            la.linear_act(fwAD.make_dual(x.detach().bfloat16(), torch.ones(2, 3, 24, dtype=torch.bfloat16)),
+                          weight, None, activation)
 
 
 def test_cpp_op_without_grad_runs_the_forward_alone(reference_as_cuda_kernels):
