@@ -1529,8 +1529,13 @@ PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
   };
   if (backend_obj == Py_None) {
     if (!auto_or_cuda(std::getenv("AMPKERNELS_BACKEND"))) Py_RETURN_NOTIMPLEMENTED;
-  } else if (!PyUnicode_Check(backend_obj) || !auto_or_cuda(PyUnicode_AsUTF8(backend_obj))) {
-    Py_RETURN_NOTIMPLEMENTED;
+  } else {
+    const char* name = PyUnicode_Check(backend_obj) ? PyUnicode_AsUTF8(backend_obj) : nullptr;
+    if (name == nullptr) {
+      PyErr_Clear();  // not a str, or not UTF-8: layer_norm() says what is wrong with it
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (!auto_or_cuda(name)) Py_RETURN_NOTIMPLEMENTED;
   }
   const long long below = PyLong_AsLongLong(below_obj);
   if (below == -1 && PyErr_Occurred()) return nullptr;

@@ -362,7 +362,8 @@ def test_module_entry_declines_what_it_does_not_run():
                      (xc.as_subclass(Sub), wc), (xc, wc.as_subclass(Sub)), (xc[:, :0], wc[:0])):
             assert entry(*args, None, 1e-5, False, None, None, 1 << 25) is NotImplemented
         for eps, out_dtype, backend in ((1, None, None), (1e-5, torch.float64, None), (1e-5, "auto", None),
-                                        (1e-5, None, "triton"), (1e-5, None, "torch")):
+                                        (1e-5, None, "triton"), (1e-5, None, "torch"), (1e-5, None, 3),
+                                        (1e-5, None, "\udc80")):
             assert entry(xc, wc, None, eps, False, out_dtype, backend, 1 << 25) is NotImplemented
         assert entry(xc, wc, wc, 1e-5, True, None, None, 1 << 25) is NotImplemented  # RMSNorm has no bias
         assert entry(xc, wc, None, 1e-5, False, None, None, 8) is NotImplemented  # "auto" would pick Triton
