@@ -407,6 +407,17 @@ bool wants_grad(std::initializer_list<const at::Tensor*> tensors,
   return false;
 }
 
+// The ops with hand-written nodes have no forward derivative: dual inputs are an error, not a
+// silently dropped tangent.
+void refuse_forward_ad(const char* op, std::initializer_list<const at::Tensor*> tensors,
+                       std::initializer_list<const std::optional<at::Tensor>*> optional) {
+  using torch::autograd::isFwGradDefined;
+  bool dual = false;
+  for (const at::Tensor* t : tensors) dual = dual || isFwGradDefined(*t);
+  for (const std::optional<at::Tensor>* t : optional) dual = dual || isFwGradDefined(*t);
+  TORCH_CHECK(!dual, "ampkernels ", op, ": forward-mode AD is not supported (use backend='torch')");
+}
+
 std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
@@ -424,7 +435,8 @@ std::shared_ptr<T> make_node_impl(std::false_type) {
 }
 template <typename T>
 auto make_node() {
-  return make_node_impl<T>(std::integral_constant<bool, !std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>>());
+  constexpr bool intrusive = !std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>;
+  return make_node_impl<T>(std::integral_constant<bool, intrusive>());
 }
 
 // The (rows, last dim) view the kernels take of a contiguous t of any rank (t itself when 2-D).
@@ -524,7 +536,9 @@ struct NormBackward : public torch::autograd::Node {
     const std::optional<at::ScalarType> param_dtype =
         weight ? std::optional<at::ScalarType>(weight->scalar_type()) : bias_dtype;
     at::Tensor dout = grads[0];
-    if (!dout.defined()) dout = at::zeros_symint(x.sym_sizes(), x.options().dtype(out_dtype));  // only residual_out used
+    if (!dout.defined()) {  // only residual_out was used
+      dout = at::zeros_symint(x.sym_sizes(), x.options().dtype(out_dtype));
+    }
     const at::Tensor dres_out = grads.size() > 1 ? grads[1] : at::Tensor();
     const bool want_dx = task_should_compute_output(0);
     const bool want_dw = task_should_compute_output(1);
@@ -555,9 +569,7 @@ std::tuple<at::Tensor, at::Tensor> norm_autograd(const at::Tensor& x, const std:
                                                  const std::optional<at::Tensor>& residual, double eps, bool is_rms,
                                                  std::optional<at::ScalarType> out_dtype, bool residual_in_fp32,
                                                  c10::string_view fwd_backend, c10::string_view bwd_backend) {
-  using torch::autograd::isFwGradDefined;
-  TORCH_CHECK(!isFwGradDefined(x) && !isFwGradDefined(weight) && !isFwGradDefined(bias) && !isFwGradDefined(residual),
-              "ampkernels norm: forward-mode AD is not supported (use backend='torch')");
+  refuse_forward_ad("norm", {&x}, {&weight, &bias, &residual});
   if (!wants_grad({&x}, {&weight, &bias, &residual})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return norm_forward_only(x, weight, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, fwd_backend,
@@ -1087,9 +1099,7 @@ at::Tensor linear_act_forward_only(const at::Tensor& x, const at::Tensor& weight
 at::Tensor linear_act_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                int64_t activation, std::optional<at::ScalarType> cast_to, bool recompute,
                                c10::string_view backend) {
-  using torch::autograd::isFwGradDefined;
-  TORCH_CHECK(!isFwGradDefined(x) && !isFwGradDefined(weight) && !isFwGradDefined(bias),
-              "ampkernels linear_act: forward-mode AD is not supported (use backend='torch')");
+  refuse_forward_ad("linear_act", {&x, &weight}, {&bias});
   if (!wants_grad({&x, &weight}, {&bias})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return linear_act_forward_only(x, weight, bias, activation, cast_to, recompute, backend);

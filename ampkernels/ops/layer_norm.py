@@ -26,7 +26,6 @@ from .. import _extension, backends, reference
 from .shared import kernel_op
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_F32 = torch.float32
 
 
 def _triton():
@@ -222,8 +221,9 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_in_fp32, ou
             if t is not None and t.device != device:
                 _validate(op, x, shape, weight, bias, residual, out_dtype)  # raises, naming it
         unsupported = None
-        if not _extension.loaded() or (weight is not None and weight.dtype is not xdt and weight.dtype is not _F32) \
-                or (bias is not None and bias.dtype is not xdt and bias.dtype is not _F32):
+        f32 = torch.float32
+        if not _extension.loaded() or (weight is not None and weight.dtype is not xdt and weight.dtype is not f32) \
+                or (bias is not None and bias.dtype is not xdt and bias.dtype is not f32):
             unsupported = _unsupported(x, n, out_dtype, residual, weight, bias)
     else:
         n = _validate(op, x, shape, weight, bias, residual, out_dtype)
