@@ -14,6 +14,8 @@ Contract (docs/design.md, "Op semantics"):
 - gated_linear_act: h = act(g) * u with g = x @ gate_weight.T + gate_bias and
   u = x @ up_weight.T + up_bias accumulated in fp32, each rounded to x.dtype (what backward
   reads), act(g) * u in fp32, returned in x.dtype.
+- rotary_embedding: x * cos + rotate_half(x) * sin in torch's promoted dtype (the kernels: fp32
+  math, one rounding, any out_dtype).
 """
 import math
 
@@ -276,3 +278,15 @@ def gated_linear_act(x, gate_weight, up_weight, gate_bias=None, up_bias=None, ac
         g = F.linear(x.to(ct), gate_weight.to(ct), None if gate_bias is None else gate_bias.to(ct))
         u = F.linear(x.to(ct), up_weight.to(ct), None if up_bias is None else up_bias.to(ct))
     return (act_fwd(g, activation) * u).to(x.dtype)
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rotary_embedding(q, k, cos, sin, unsqueeze_dim=1):
+    """Rotary position embedding, rotate-half form, as Hugging Face's apply_rotary_pos_emb computes
+    it (in torch's promotion of the inputs' dtypes; fp64 inputs give the tests' reference)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

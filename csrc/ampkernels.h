@@ -123,4 +123,21 @@ cudaError_t norm_backward(const NormBackwardArgs& args, cudaStream_t stream);
 cudaError_t norm_reduce_partials(const float* dweight_partial, const float* dbias_partial, void* dweight,
                                  void* dbias, DType param_dtype, int num_blocks, int64_t cols, cudaStream_t stream);
 
+// ---- rotary position embedding
+// One 4-D tensor (size0, size1, size2, head_dim) rotated in its rotate-half pairs (i, i + head_dim/2),
+// fp32 math; backward applies the transposed rotation to a gradient. Strides in elements, last
+// dim contiguous; cos and sin are broadcast to x's shape (stride 0 on broadcast dims) and share
+// cs_dtype. rows = size0 * size1 * size2.
+struct RotaryArgs {
+  const void* x;  // x, or the output's gradient (backward)
+  const void* cos;
+  const void* sin;
+  void* out;      // the rotated x, or x's gradient (backward)
+  int64_t rows, size1, size2, head_dim;
+  int64_t x_stride[3], cos_stride[3], sin_stride[3], out_stride[3];
+  DType x_dtype, cs_dtype, out_dtype;
+  bool backward;
+};
+cudaError_t rotary(const RotaryArgs& args, int num_sms, cudaStream_t stream);
+
 }  // namespace ampk

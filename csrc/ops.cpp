@@ -1,7 +1,7 @@
 // The torch binding of ampkernels._C: the kernel ops (torch.ops.ampkernels.*_cuda: argument
 // checks with clear messages, a device guard, the current stream, allocation, a launch, a
 // checked CUDA status; kernels in the .cu files, see ampkernels.h) and the ops the Python API
-// calls (norm, linear_act, fused_mlp, gated_linear_act, gated_mlp), their autograd in C++.
+// calls (norm, linear_act, fused_mlp, gated_linear_act, gated_mlp, rotary_embedding), their autograd in C++.
 //
 // Each op family has its own section with its own TORCH_LIBRARY_FRAGMENT, so the Python
 // side (ampkernels/ops/*.py, which registers the Triton kernel ops and the custom ops of
@@ -1458,6 +1458,160 @@ TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
   m.impl("fused_mlp", &fused_mlp_forward_only);
   m.impl("gated_linear_act", &gated_linear_act_forward_only);
   m.impl("gated_mlp", &gated_mlp_forward_only);
+}
+
+// ---------------------------------------------------------------- rotary_embedding
+
+// One tensor's rotation on the cuda kernels: x 4-D with an even last dim (the head dim), cos and
+// sin 3-D of one shape and dtype, their dim unsqueeze_dim added and broadcast to x's shape (as
+// Hugging Face's apply_rotary_pos_emb does). The output, in out_dtype, has x's layout where x is
+// dense, else x's shape contiguous. backward: x is the output's gradient and the transposed
+// rotation gives the input's.
+at::Tensor rotary_cuda(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                       int64_t unsqueeze_dim, at::ScalarType out_dtype, bool backward) {
+  constexpr const char* op = "rotary_cuda";
+  check_cuda(x_in, op, "x");
+  check_same_device(cos_in, x_in, op, "cos", "x");
+  check_same_device(sin_in, x_in, op, "sin", "x");
+  TORCH_CHECK(x_in.dim() == 4, op, ": x must be 4-D, got shape ", x_in.sizes());
+  TORCH_CHECK(cos_in.dim() == 3 && sin_in.sizes() == cos_in.sizes(), op,
+              ": cos and sin must be 3-D and of one shape, got ", cos_in.sizes(), " and ", sin_in.sizes());
+  TORCH_CHECK(cos_in.scalar_type() == sin_in.scalar_type(), op, ": cos and sin must share a dtype, got ",
+              cos_in.scalar_type(), " and ", sin_in.scalar_type());
+  const int64_t d = x_in.size(3);
+  TORCH_CHECK(d % 2 == 0 && cos_in.size(2) == d, op, ": the head dim (x's last) must be even and cos's last, got x ",
+              x_in.sizes(), " and cos ", cos_in.sizes());
+  RotaryArgs a{};
+  a.x_dtype = to_dtype(x_in.scalar_type(), op, "x");
+  a.cs_dtype = to_dtype(cos_in.scalar_type(), op, "cos");
+  a.out_dtype = to_dtype(out_dtype, op, "out_dtype");
+  const at::Tensor x = x_in.stride(3) == 1 ? x_in : x_in.contiguous();
+  const auto broadcast = [&](const at::Tensor& t) {  // raises, as torch does, where t does not broadcast
+    return (t.stride(2) == 1 ? t : t.contiguous()).unsqueeze(unsqueeze_dim).expand(x.sizes());
+  };
+  const at::Tensor cos = broadcast(cos_in), sin = broadcast(sin_in);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty_like(x, x.options().dtype(out_dtype));
+  if (out.stride(3) != 1) out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  a.x = x.data_ptr();
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.out = out.data_ptr();
+  a.rows = x.size(0) * x.size(1) * x.size(2);
+  a.size1 = x.size(1);
+  a.size2 = x.size(2);
+  a.head_dim = d;
+  for (int i = 0; i < 3; ++i) {
+    a.x_stride[i] = x.stride(i);
+    a.cos_stride[i] = cos.stride(i);
+    a.sin_stride[i] = sin.stride(i);
+    a.out_stride[i] = out.stride(i);
+  }
+  a.backward = backward;
+  AMPK_CHECK_CUDA(rotary(a, num_sms(), at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
+  m.def("rotary_cuda(Tensor x, Tensor cos, Tensor sin, int unsqueeze_dim, ScalarType out_dtype, bool backward) "
+        "-> Tensor");
+}
+TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
+  m.impl("rotary_cuda", &rotary_cuda);
+}
+
+// ampkernels::rotary_embedding rotates q and k (Hugging Face's apply_rotary_pos_emb) on one
+// backend's kernel op, rotary_<backend> ("triton" registered by ampkernels/ops/rotary.py, with
+// the fakes), its autograd a node of its own as the norm's: it saves cos and sin only (the
+// rotation is linear in q and k). cos and sin get no gradient (the Python op sends a call whose
+// cos or sin requires one to the torch backend).
+using RotaryFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType, bool);
+
+const KernelOp<RotaryFn>& rotary_op(c10::string_view backend) {
+  if (backend == "cuda") {
+    static const auto op = typed_op<RotaryFn>("ampkernels::rotary_cuda");
+    return op;
+  }
+  TORCH_CHECK(backend == "triton", "rotary_embedding: backend must be \"cuda\" or \"triton\", got \"", backend, "\"");
+  static const auto op = typed_op<RotaryFn>("ampkernels::rotary_triton");
+  return op;
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary_forward_only(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                       const at::Tensor& sin, int64_t unsqueeze_dim,
+                                                       at::ScalarType q_dtype, at::ScalarType k_dtype,
+                                                       c10::string_view backend) {
+  const KernelOp<RotaryFn>& op = rotary_op(backend);
+  return {op.call(q, cos, sin, unsqueeze_dim, q_dtype, false), op.call(k, cos, sin, unsqueeze_dim, k_dtype, false)};
+}
+
+struct RotaryBackward : public torch::autograd::Node {
+  std::string name() const override { return "ampkernels::RotaryBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    cos_.reset_data();
+    sin_.reset_data();
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor cos = cos_.unpack(), sin = sin_.unpack();
+    const auto grad = [&](int i, at::ScalarType dtype) {  // an unused output's undefined grad: zero
+      return task_should_compute_output(i) && grads[i].defined()
+                 ? op->call(grads[i], cos, sin, unsqueeze_dim, dtype, true)
+                 : at::Tensor();
+    };
+    return {grad(0, q_dtype), grad(1, k_dtype)};
+  }
+
+  torch::autograd::SavedVariable cos_, sin_;
+  const KernelOp<RotaryFn>* op = nullptr;
+  int64_t unsqueeze_dim = 1;
+  at::ScalarType q_dtype = at::kFloat, k_dtype = at::kFloat;  // the inputs', which their grads take
+};
+
+std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                   const at::Tensor& sin, int64_t unsqueeze_dim,
+                                                   at::ScalarType q_dtype, at::ScalarType k_dtype,
+                                                   c10::string_view backend) {
+  refuse_forward_ad("rotary_embedding", {&q, &k, &cos, &sin}, {});
+  if (!wants_grad({&q, &k, &cos, &sin}, {})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return rotary_forward_only(q, k, cos, sin, unsqueeze_dim, q_dtype, k_dtype, backend);
+  }
+  TORCH_CHECK(!cos.requires_grad() && !sin.requires_grad(),
+              "ampkernels rotary_embedding: the kernels give no gradient for cos and sin, which require grad "
+              "(use backend='torch')");
+  const KernelOp<RotaryFn>& op = rotary_op(backend);
+  at::Tensor q_out, k_out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    q_out = op.call(q, cos, sin, unsqueeze_dim, q_dtype, false);
+    k_out = op.call(k, cos, sin, unsqueeze_dim, k_dtype, false);
+  }
+  auto node = make_node<RotaryBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(q, k));
+  torch::autograd::set_history(q_out, node);
+  torch::autograd::set_history(k_out, node);
+  node->cos_ = torch::autograd::SavedVariable(cos, false);
+  node->sin_ = torch::autograd::SavedVariable(sin, false);
+  node->op = &op;
+  node->unsqueeze_dim = unsqueeze_dim;
+  node->q_dtype = q.scalar_type();
+  node->k_dtype = k.scalar_type();
+  return {q_out, k_out};
+}
+
+TORCH_LIBRARY_FRAGMENT(ampkernels, m) {
+  m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin, int unsqueeze_dim, ScalarType q_dtype, "
+        "ScalarType k_dtype, str backend) -> (Tensor q_out, Tensor k_out)");
+}
+TORCH_LIBRARY_IMPL(ampkernels, Autograd, m) {
+  m.impl("rotary_embedding", &rotary_autograd);
+}
+TORCH_LIBRARY_IMPL(ampkernels, CompositeExplicitAutograd, m) {
+  m.impl("rotary_embedding", &rotary_forward_only);
 }
 
 }  // namespace

@@ -11,7 +11,9 @@ Cases, all under autocast with fp32 parameters and (but for the last two) 16-bit
 - FusedMLP (256 -> 1024 -> 256, gelu_tanh) against the Linear-GELU-Linear it is;
 - the norm modules as convert(model, norm_out_dtype="autocast") puts them in a pre-norm
   transformer whose residual stream is fp32 (timm's ViT): 3-D fp32 x (2 x 4 rows of 256),
-  ampkernels.nn.LayerNorm / RMSNorm against torch.nn's, the module call included.
+  ampkernels.nn.LayerNorm / RMSNorm against torch.nn's, the module call included;
+- rotary_embedding of q and k (1 x 4 heads x 8 positions x 64, 16-bit; cos/sin fp32, as Hugging
+  Face's LLaMA makes them) against Hugging Face's apply_rotary_pos_emb formula.
 
 Each call runs in its own autocast region (a step's forward casts each parameter once; one
 region around all calls would let torch reuse its cached casts). Host time of a call: the wall
@@ -105,6 +107,18 @@ def _norm_module_case(op):
     return setup
 
 
+def _rotary_case(device, dtype):
+    import ampkernels
+    from ampkernels import reference
+    heads, seq, head_dim = 4, ROWS, 64
+    q, k = (torch.randn(1, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+            for _ in range(2))
+    angle = torch.randn(1, seq, head_dim, device=device)
+    cos, sin = angle.cos(), angle.sin()
+    return (q, k), (lambda: reference.rotary_embedding(q, k, cos, sin)), \
+        (lambda backend: lambda: ampkernels.rotary_embedding(q, k, cos, sin, backend=backend))
+
+
 CASES = {"layer_norm": ("layer_norm", _norm_case("layer_norm", False)),
          "layer_norm+residual": ("layer_norm", _norm_case("layer_norm", True)),
          "rms_norm": ("rms_norm", _norm_case("rms_norm", False)),
@@ -113,7 +127,8 @@ CASES = {"layer_norm": ("layer_norm", _norm_case("layer_norm", False)),
          "linear_act relu": ("linear_act", _linear_case("relu")),
          "fused_mlp": ("fused_mlp", _mlp_case),
          "layer_norm module (fp32 stream)": ("layer_norm", _norm_module_case("layer_norm")),
-         "rms_norm module (fp32 stream)": ("rms_norm", _norm_module_case("rms_norm"))}
+         "rms_norm module (fp32 stream)": ("rms_norm", _norm_module_case("rms_norm")),
+         "rotary_embedding": ("rotary_embedding", _rotary_case)}
 
 
 def _sync(device):

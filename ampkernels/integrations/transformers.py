@@ -1,5 +1,6 @@
-"""Hugging Face transformers: `apply(model)` converts a model in place and, for a causal LM or a
-BERT-style masked LM, fuses its LM head and loss (ampkernels.integrations.loss);
+"""Hugging Face transformers: `apply(model)` converts a model in place, fuses its rotary
+embedding (ampkernels.integrations.rotary) and, for a causal LM or a BERT-style masked LM, its LM
+head and loss (ampkernels.integrations.loss);
 `ConvertCallback` does it from inside a Trainer when training begins.
 
 convert() shares the Parameter objects, so apply() may run before or after an optimizer,
@@ -11,18 +12,23 @@ from transformers import TrainerCallback
 
 from . import convert_wrapped, unwrap
 from .loss import check_lm_fusable, fuse_lm_loss
+from .rotary import fuse_rotary as _fuse_rotary
 
 
-def apply(model, *, fuse_loss=True, **convert_kwargs):
+def apply(model, *, fuse_loss=True, fuse_rotary=True, **convert_kwargs):
     """Convert `model` (a transformers model, or any nn.Module; DDP and torch.compile wrappers
     are looked through) in place; returns the ConvertReport. convert_kwargs: those of
     ampkernels.nn.convert (norms, linears, backend, norm_out_dtype, verbose).
 
     fuse_loss: also fuse a causal or masked LM's head and loss (fuse_lm_loss: training with
     labels never builds the logits); a model it cannot take is listed in report.skipped with
-    the reason and keeps its own loss."""
+    the reason and keeps its own loss.
+    fuse_rotary: run the attention modules' apply_rotary_pos_emb as ampkernels.rotary_embedding
+    (report.fused_rotary counts them)."""
     report = convert_wrapped(model, convert_kwargs)
     inner = unwrap(model)
+    if fuse_rotary:
+        report.fused_rotary = _fuse_rotary(inner, report, convert_kwargs.get("backend"))
     if fuse_loss and callable(getattr(inner, "get_output_embeddings", None)) and \
             inner.get_output_embeddings() is not None:
         try:

@@ -113,6 +113,7 @@ class ConvertReport:
     details: list = dataclasses.field(default_factory=list)   # Replacement per entry of `replaced`
     skipped: list = dataclasses.field(default_factory=list)   # Skipped: recognised, left alone
     fused_loss: bool = False  # integrations.transformers.apply fused the LM head and loss
+    fused_rotary: int = 0     # attention modules whose rotary embedding runs fused (integrations.rotary)
 
     def add(self, path, old, new):
         self.replaced.append((path, type(old).__name__, type(new).__name__))
@@ -131,17 +132,21 @@ class ConvertReport:
         self.skipped.sort(key=lambda k: order.get(k.path, len(order)))
 
     def __str__(self):
-        if not self.replaced and not self.skipped:
+        if not self.replaced and not self.skipped and not self.fused_loss and not self.fused_rotary:
             return "ampkernels.nn.convert: nothing recognised; model unchanged"
         if self.replaced:
             lines = [f"ampkernels.nn.convert: {len(self.replaced)} module(s) replaced"]
         else:
-            lines = ["ampkernels.nn.convert: nothing replaced; model unchanged"]
+            unchanged = "" if self.fused_loss or self.fused_rotary else "; model unchanged"
+            lines = [f"ampkernels.nn.convert: nothing replaced{unchanged}"]
         for d in self.details:
             fused = f" (fused activation: {d.activation})" if d.activation else ""
             lines.append(f"  {d.path}: {d.old} -> {d.new}{fused}")
         if self.fused_loss:
             lines.append("  (model): LM head + loss fused (ampkernels.linear_cross_entropy, no logits in training)")
+        if self.fused_rotary:
+            lines.append(f"  (model): rotary embedding fused in {self.fused_rotary} attention module(s) "
+                         "(ampkernels.rotary_embedding)")
         if self.skipped:
             lines.append(f"ampkernels.nn.convert: {len(self.skipped)} module(s) recognised but left alone")
             lines += [f"  {k.path or '(model)'}: {k.cls} ({k.reason})" for k in self.skipped]
