@@ -193,6 +193,7 @@ def launch_everything(max_shared):
     from ampkernels.triton import layer_norm as tln
     from ampkernels.triton import linear_act as tla
     from ampkernels.triton import linear_cross_entropy as tlce
+    from ampkernels.triton import rotary as trot
 
     tln._smem_per_program = lambda device: max_shared  # a meta device has no properties
 
@@ -228,6 +229,13 @@ def launch_everything(max_shared):
                 tga.gated_act_backward(h, gu, gu, ACTIVATIONS.index(name), True)
                 tga.gated_act_forward(gu, ACTIVATIONS.index(name))
             tga.gated_act_backward(h, gu, gu, gelu, False)
+        # the rotary embedding, forward and backward: HF's layout (16-bit q, fp32 cos, fp32 out) and
+        # every dtype the same, at head dims 64 and 96 (a half that is not a power of two)
+        for d in (64, 96):
+            q, cos = empty(2, 16, 3, d, dtype=dtype).transpose(1, 2), empty(1, 16, d, dtype=torch.float32)
+            for backward, out in ((False, torch.float32), (True, dtype)):
+                trot.rotary(q, cos, cos, 1, out, backward)
+            trot.rotary(q, cos.to(dtype), cos.to(dtype), 1, dtype, False)
         if dtype == torch.float16:
             continue  # the branches below do not depend on the dtype
         # every other activation, no bias / no pre (first config)

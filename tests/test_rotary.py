@@ -16,8 +16,9 @@ from ampkernels.integrations import rotary as ak_rotary
 from tests.utils import assert_rel_close, randn
 
 HAS_CUDA = torch.cuda.is_available()
-# CPU: the Triton kernel under the interpreter (fp16/fp32 there); GPU: both kernel backends
-KERNEL_BACKENDS = ["cuda", "triton"] if HAS_CUDA else ["triton"]
+# CPU: the Triton kernel under the interpreter (fp16/fp32 there); GPU: both kernel backends, in
+# the GPU tier (`pytest -m gpu`)
+KERNEL_BACKENDS = [pytest.param(b, marks=pytest.mark.gpu) for b in ("cuda", "triton")] if HAS_CUDA else ["triton"]
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 X_DTYPES = [torch.float16, torch.bfloat16, torch.float32] if HAS_CUDA else [torch.float16, torch.float32]
 
@@ -325,3 +326,13 @@ def test_converted_llama_on_gpu_under_autocast():
     torch.testing.assert_close(losses[0], losses[1], rtol=2e-2, atol=2e-2)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert_rel_close(p.grad, q.grad.double(), torch.bfloat16, factor=4, what=name)
+
+
+def test_fused_rotary_traces_without_graph_breaks():
+    """Under torch.compile the marked forward's hooks and the dispatcher trace away (the original
+    function runs, for inductor to fuse): no graph break that the unconverted model does not have."""
+    model = _tiny_llama()
+    ak_rotary.fuse_rotary(model)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(torch.randint(0, 64, (2, 5)))
+    assert explained.graph_break_count == 0, explained.break_reasons
