@@ -4,7 +4,6 @@ the sequence), GQA (fewer k heads), strided and offset inputs, a cos batch of 1 
 routing; the C++ node's lifecycle; the Hugging Face integration (fuse_rotary): scoping to the
 marked modules, the probe that leaves other rotaries alone, checkpointing, and a converted LLaMA
 against the unconverted one."""
-import copy
 import types
 
 import pytest
