@@ -27,6 +27,7 @@ import types
 
 import torch
 
+from .. import reference
 from ..ops.rotary import rotary_embedding
 
 _NAME = "apply_rotary_pos_emb"
@@ -78,7 +79,6 @@ def _probe_mismatch(fn, params):
             got = fn(q, k, angle.cos(), angle.sin())
     except Exception as e:  # noqa: BLE001 - any failure means: not this function
         return f"{_NAME} failed on a probe input ({type(e).__name__}: {e})"
-    from .. import reference
     want = reference.rotary_embedding(q, k, angle.cos(), angle.sin())
     if not (isinstance(got, tuple) and len(got) == 2 and all(
             isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, atol=1e-12)
@@ -111,7 +111,7 @@ def _dispatcher(original, params):
 
 def _rotary_globals(module):
     """The globals of module's forward when that forward calls apply_rotary_pos_emb, else None."""
-    forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
+    forward = inspect.unwrap(type(module).forward)
     code = getattr(forward, "__code__", None)
     if code is None or _NAME not in code.co_names:
         return None
@@ -123,15 +123,17 @@ def fuse_rotary(model, report=None, backend=None):
     """Mark every module of `model` whose forward calls apply_rotary_pos_emb (see the module
     docstring); returns how many were marked. report: a ConvertReport to list the ones left alone.
     backend: the op's (None: "auto" / AMPKERNELS_BACKEND)."""
-    marked = 0
+    marked, checked = 0, {}  # checked: id of a file's function -> (its parameters, why not), probed once
     for path, module in model.named_modules():
         g = _rotary_globals(module)
         if g is None or getattr(module, "_ampkernels_rotary", False):
             continue
         fn = g[_NAME]
         original = getattr(fn, "ampkernels_original", fn)
-        params = _parameters(original)
-        why = _probe_mismatch(original, params)
+        if id(original) not in checked:
+            params = _parameters(original)
+            checked[id(original)] = params, _probe_mismatch(original, params)
+        params, why = checked[id(original)]
         if why is not None:
             if report is not None:
                 report.skip(path, module, why)
