@@ -1630,6 +1630,22 @@ using NormOpFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std
 // A torch.Tensor or nn.Parameter, not a subclass (whose __torch_function__ the Python path honours)
 bool plain_tensor(PyObject* obj) { return THPVariable_CheckExact(obj); }
 
+// backend None/"auto"/"cuda" (None: AMPKERNELS_BACKEND unset, empty, auto or cuda): 1 "auto", 2 "cuda", 0 other
+int auto_or_cuda(PyObject* backend_obj) {
+  const auto classify = [](const char* name) {
+    if (name == nullptr || !*name || !std::strcmp(name, "auto")) return 1;
+    return std::strcmp(name, "cuda") ? 0 : 2;
+  };
+  if (backend_obj == Py_None) return classify(std::getenv("AMPKERNELS_BACKEND"));
+  if (!PyUnicode_Check(backend_obj)) return 0;
+  const char* name = PyUnicode_AsUTF8(backend_obj);
+  if (name == nullptr) {
+    PyErr_Clear();  // not UTF-8: the Python path says what is wrong with it
+    return 0;
+  }
+  return classify(name);
+}
+
 // ampkernels.nn.LayerNorm / RMSNorm's forward on the host's critical path, without the Python
 // of layer_norm() (~12 us a call on the H200's host, several times that inside a model):
 //   norm_module(x, weight, bias, eps, is_rms, out_dtype, backend, cuda_below) -> out or NotImplemented
@@ -1688,19 +1704,7 @@ PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
   } else if (dtype_obj != Py_None) {
     Py_RETURN_NOTIMPLEMENTED;
   }
-  const auto auto_or_cuda = [](const char* name) {
-    return name == nullptr || !*name || !std::strcmp(name, "auto") || !std::strcmp(name, "cuda");
-  };
-  if (backend_obj == Py_None) {
-    if (!auto_or_cuda(std::getenv("AMPKERNELS_BACKEND"))) Py_RETURN_NOTIMPLEMENTED;
-  } else {
-    const char* name = PyUnicode_Check(backend_obj) ? PyUnicode_AsUTF8(backend_obj) : nullptr;
-    if (name == nullptr) {
-      PyErr_Clear();  // not a str, or not UTF-8: layer_norm() says what is wrong with it
-      Py_RETURN_NOTIMPLEMENTED;
-    }
-    if (!auto_or_cuda(name)) Py_RETURN_NOTIMPLEMENTED;
-  }
+  if (auto_or_cuda(backend_obj) == 0) Py_RETURN_NOTIMPLEMENTED;
   const long long below = PyLong_AsLongLong(below_obj);
   if (below == -1 && PyErr_Occurred()) return nullptr;
   if (!(x.numel() < below || (wt == at::kFloat && xt != at::kFloat))) Py_RETURN_NOTIMPLEMENTED;
@@ -1721,7 +1725,164 @@ PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
   END_HANDLE_TH_ERRORS
 }
 
+// The GEMM ops' eager entry, as norm_module for the norms: linear_act(), fused_mlp(),
+// gated_linear_act() and gated_mlp() (ops/*.py; the modules call them) hand it their plain call
+// first, and it runs the op on the cuda kernels without their Python (~10 us a call on the H200's
+// host):
+//   gemm_entry(op, x, params, activation, backend, not_cuda_first, buckets) -> out or NotImplemented
+// op: 0 linear_act (params: weight, bias), 1 fused_mlp (w1, b1, w2, b2), 2 gated_linear_act (gate
+// and up weights, their biases), 3 gated_mlp (those, then the down weight and bias). It takes the
+// call whose answer is plain: tensors (no subclass, no torch-function mode), CUDA x of >= 2 dims,
+// contiguous, not empty, every tensor contiguous on x's device with the shapes the op needs;
+// under CUDA autocast x cast to its 16-bit dtype and the parameters fp16/bf16/fp32 (cast_to when
+// one differs), without autocast all of one 16-bit dtype; backend None/"auto"/"cuda" with
+// AMPKERNELS_BACKEND unset/auto/cuda, deterministic algorithms off, and "auto" choosing the cuda
+// kernels: the key below not in not_cuda_first (a set the op's Python builds from its table,
+// ops/shared.py gemm_entry_key), buckets = (small_below, medium_below) of M*N*K. Anything else is
+// NotImplemented: the caller then validates and decides in full.
+using GemmLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                                std::optional<at::ScalarType>, bool, c10::string_view);
+using GemmMLPFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                             const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                             std::optional<at::ScalarType>, c10::string_view);
+using GemmGatedFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+                               std::optional<at::ScalarType>, bool, c10::string_view);
+using GemmGatedMLPFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                  const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                                  std::optional<at::ScalarType>, c10::string_view);
+
+PyObject* gemm_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 7 || !PyLong_CheckExact(args[0]) || !PyTuple_CheckExact(args[2]) || !PyLong_CheckExact(args[3]) ||
+      !PyAnySet_Check(args[5]) || !PyTuple_CheckExact(args[6]) || PyTuple_GET_SIZE(args[6]) != 2) {
+    PyErr_SetString(PyExc_TypeError, "gemm_entry(op, x, params, activation, backend, not_cuda_first, buckets)");
+    return nullptr;
+  }
+  const long op_id = PyLong_AsLong(args[0]), act = PyLong_AsLong(args[3]);
+  constexpr Py_ssize_t kParams[] = {2, 4, 4, 6};
+  PyObject* params_obj = args[2];
+  if (op_id < 0 || op_id > 3 || PyTuple_GET_SIZE(params_obj) != kParams[op_id]) {
+    PyErr_SetString(PyExc_ValueError, "gemm_entry: unknown op or wrong number of params");
+    return nullptr;
+  }
+  const bool gated = op_id >= 2;
+  if (gated ? !(act == int64_t(Activation::kSiLU) || act == int64_t(Activation::kGELU) ||
+                act == int64_t(Activation::kGELUTanh))
+            : !(act >= 0 && act <= int64_t(Activation::kSquaredReLU)))
+    Py_RETURN_NOTIMPLEMENTED;
+  const int backend = auto_or_cuda(args[4]);
+  if (backend == 0 || !plain_tensor(args[1]) || at::impl::torch_function_mode_enabled() ||
+      at::globalContext().deterministicAlgorithms())
+    Py_RETURN_NOTIMPLEMENTED;
+  // params: the weights (slots the op needs) and biases (None or a tensor)
+  std::array<std::optional<at::Tensor>, 6> p;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(params_obj); ++i) {
+    PyObject* t = PyTuple_GET_ITEM(params_obj, i);
+    if (t == Py_None) continue;
+    if (!plain_tensor(t)) Py_RETURN_NOTIMPLEMENTED;
+    p[i] = THPVariable_Unpack(t);
+  }
+  at::Tensor x = THPVariable_Unpack(args[1]);
+  if (!x.is_cuda() || x.dim() < 2 || x.numel() == 0 || !x.is_contiguous()) Py_RETURN_NOTIMPLEMENTED;
+  const int64_t k = x.size(-1), m = x.numel() / k;
+  // (weight slot, rows, cols) and (bias slot, size) the op needs; weights are required
+  const auto weight_ok = [&](int i, int64_t rows, int64_t cols) {
+    return p[i] && p[i]->dim() == 2 && p[i]->size(0) == rows && p[i]->size(1) == cols;
+  };
+  const auto bias_ok = [&](int i, int64_t n) { return !p[i] || (p[i]->dim() == 1 && p[i]->size(0) == n); };
+  int64_t n = 0, bucket_n = 0;  // output features; N of the bucket's M*N*K
+  bool shapes_ok = false;
+  if (op_id == 0) {
+    n = p[0] ? p[0]->size(0) : 0;
+    shapes_ok = weight_ok(0, n, k) && bias_ok(1, n);
+    bucket_n = n;
+  } else if (op_id == 1) {
+    const int64_t h = p[0] ? p[0]->size(0) : 0;
+    n = p[2] ? p[2]->size(0) : 0;
+    shapes_ok = weight_ok(0, h, k) && bias_ok(1, h) && weight_ok(2, n, h) && bias_ok(3, n);
+    bucket_n = h;
+  } else {
+    const int64_t h = p[0] ? p[0]->size(0) : 0;
+    shapes_ok = weight_ok(0, h, k) && weight_ok(1, h, k) && bias_ok(2, h) && bias_ok(3, h);
+    if (op_id == 3) {
+      n = p[4] ? p[4]->size(0) : 0;
+      shapes_ok = shapes_ok && weight_ok(4, n, h) && bias_ok(5, n);
+    }
+    bucket_n = 2 * h;
+  }
+  if (!shapes_ok) Py_RETURN_NOTIMPLEMENTED;
+  // dtypes: F.linear's autocast rule (ops/shared.py autocast_dtypes)
+  at::ScalarType dt = x.scalar_type();
+  const bool autocast = at::autocast::is_autocast_enabled(at::kCUDA);
+  if (autocast) dt = at::autocast::get_autocast_dtype(at::kCUDA);
+  if (dt != at::kHalf && dt != at::kBFloat16) Py_RETURN_NOTIMPLEMENTED;
+  if (autocast && x.scalar_type() != at::kFloat && x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16)
+    Py_RETURN_NOTIMPLEMENTED;
+  std::optional<at::ScalarType> cast_to;
+  bool grad = at::GradMode::is_enabled() && x.requires_grad();
+  for (const auto& t : p) {
+    if (!t) continue;
+    const at::ScalarType pt = t->scalar_type();
+    if (!t->is_cuda() || t->device() != x.device() || !t->is_contiguous()) Py_RETURN_NOTIMPLEMENTED;
+    if (pt != dt) {
+      if (!autocast || (pt != at::kFloat && pt != at::kHalf && pt != at::kBFloat16)) Py_RETURN_NOTIMPLEMENTED;
+      cast_to = dt;
+    }
+    grad = grad || (at::GradMode::is_enabled() && t->requires_grad());
+  }
+  if (backend == 1) {  // "auto": the op's table, as ops/shared.py gemm_entry_key encodes it
+    const long long small_below = PyLong_AsLongLong(PyTuple_GET_ITEM(args[6], 0));
+    const long long medium_below = PyLong_AsLongLong(PyTuple_GET_ITEM(args[6], 1));
+    if ((small_below == -1 || medium_below == -1) && PyErr_Occurred()) return nullptr;
+    const double work = double(m) * double(bucket_n) * double(k);
+    const int bucket = work < double(small_below) ? 0 : work < double(medium_below) ? 1 : 2;
+    const int cc = at::cuda::getDeviceProperties(x.get_device())->major;
+    const long long key = (((act * 32LL + cc) * 2 + (dt == at::kBFloat16)) * 3 + bucket) * 2 + grad;
+    PyObject* key_obj = PyLong_FromLongLong(key);
+    if (key_obj == nullptr) return nullptr;
+    const int listed = PySet_Contains(args[5], key_obj);
+    Py_DECREF(key_obj);
+    if (listed < 0) return nullptr;
+    if (listed) Py_RETURN_NOTIMPLEMENTED;
+  }
+  at::Tensor out;
+  {
+    PyThreadState* state = PyEval_SaveThread();  // as torch's own bindings, the op runs without the GIL
+    try {
+      if (x.scalar_type() != dt) x = x.to(dt);
+      if (op_id == 0) {
+        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::linear_act", "")
+                                   .typed<GemmLinearFn>();
+        out = op.call(x, *p[0], p[1], act, cast_to, false, "cuda");
+      } else if (op_id == 1) {
+        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::fused_mlp", "")
+                                   .typed<GemmMLPFn>();
+        out = op.call(x, *p[0], p[1], *p[2], p[3], act, cast_to, "cuda");
+      } else if (op_id == 2) {
+        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::gated_linear_act", "")
+                                   .typed<GemmGatedFn>();
+        out = op.call(x, *p[0], *p[1], p[2], p[3], act, cast_to, false, "cuda");
+      } else {
+        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::gated_mlp", "")
+                                   .typed<GemmGatedMLPFn>();
+        out = op.call(x, *p[0], *p[1], p[2], p[3], *p[4], p[5], act, cast_to, "cuda");
+      }
+    } catch (...) {
+      PyEval_RestoreThread(state);
+      throw;
+    }
+    PyEval_RestoreThread(state);
+  }
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
+    {"gemm_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&gemm_entry)), METH_FASTCALL,
+     "The GEMM ops' eager entry (ampkernels/ops/shared.py): the output, or NotImplemented"},
+
     {"norm_module", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&norm_module)), METH_FASTCALL,
      "The norm modules' eager entry (ampkernels/nn/modules.py): the output, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};

@@ -403,3 +403,100 @@ def test_module_entry_matches_the_full_path(monkeypatch):
     monkeypatch.delenv("AMPKERNELS_BACKEND")
     with torch.overrides.TorchFunctionMode():
         assert mods._norm_entry(x, mod.weight, mod.bias, mod.eps, False, None, None, 1 << 25) is NotImplemented
+
+
+# ---------------------------------------------------------------- the GEMM ops' eager entry
+
+def _gemm_calls(device, pdtype, xdtype):
+    """(name, call(backend)) of each GEMM op's functional API on fresh inputs requiring grad."""
+    k, h, n = 40, 72, 24
+    p = lambda *s: (torch.randn(*s, device=device, dtype=pdtype) * s[-1] ** -0.5).requires_grad_()  # noqa: E731
+    x = torch.randn(3, 5, k, device=device, dtype=xdtype, requires_grad=True)
+    w1, b1, w2, b2, wu, bu = p(h, k), p(h), p(n, h), p(n), p(h, k), p(h)
+    return x, [
+        ("linear_act", lambda be: ampkernels.linear_act(x, w1, b1, "gelu_tanh", backend=be), (x, w1, b1)),
+        ("linear_act no bias", lambda be: ampkernels.linear_act(x, w1, None, "relu", backend=be), (x, w1)),
+        ("fused_mlp", lambda be: ampkernels.fused_mlp(x, w1, b1, w2, b2, "gelu", backend=be), (x, w1, b1, w2, b2)),
+        ("gated_linear_act", lambda be: ampkernels.gated_linear_act(x, w1, wu, b1, bu, "silu", backend=be),
+         (x, w1, wu, b1, bu)),
+        ("gated_mlp", lambda be: gla.gated_mlp(x, w1, wu, None, None, w2, b2, "gelu_tanh", backend=be),
+         (x, w1, wu, w2, b2)),
+    ]
+
+
+def test_gemm_entry_declines_what_it_does_not_run():
+    from ampkernels.ops import shared
+    x, w = torch.randn(4, 8, dtype=torch.float16), torch.randn(16, 8, dtype=torch.float16)
+    assert shared.gemm_entry("linear_act", x, (w, None), 3, None, frozenset(), (1 << 34, 1 << 37)) is NotImplemented
+    if not ampkernels.available_backends()["cuda"][0]:
+        return
+    xc, wc = x.cuda(), w.cuda()
+    call = lambda x, params, act=3, backend=None, op="linear_act": shared.gemm_entry(  # noqa: E731
+        op, x, params, act, backend, frozenset(), (1 << 34, 1 << 37))
+    assert isinstance(call(xc, (wc, None)), torch.Tensor)
+
+    class Sub(torch.Tensor):
+        pass
+    declined = [(xc[0], (wc, None)), (xc.t(), (wc, None)), (xc, (wc.t(), None)), (xc, (wc[:, :4], None)),
+                (xc, (wc, wc[0])), (xc, (wc.double(), None)), (xc.float(), (wc, None)), (xc, (wc.float(), None)),
+                (xc.as_subclass(Sub), (wc, None)), (xc, (wc.as_subclass(Sub), None)), (xc[:0], (wc, None)),
+                (xc, (wc.cpu(), None))]
+    for x_, params in declined:
+        assert call(x_, params) is NotImplemented
+    for act, backend in ((6, None), (-1, None), (3, "triton"), (3, "torch"), (3, 3), (3, "\udc80")):
+        assert call(xc, (wc, None), act, backend) is NotImplemented
+    assert call(xc, (wc, None, None, None), 1, op="gated_linear_act") is NotImplemented  # relu is not gated
+    # fp32 master weights take the kernels under autocast only
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = call(xc.float(), (wc.float(), None))
+        assert out.dtype == torch.bfloat16
+    with torch.overrides.TorchFunctionMode():
+        assert call(xc, (wc, None)) is NotImplemented
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gemm_entry_matches_the_full_path(monkeypatch, autocast):
+    # the plain eager call of each GEMM op goes straight to the op: the same outputs and
+    # gradients, bit for bit, as the Python path on the same arguments (backend "cuda": what the
+    # entry runs), with 16-bit parameters or, under autocast, fp32 master weights and fp32 x
+    from ampkernels.ops import shared
+    torch.manual_seed(0)
+    entry = shared._gemm_entry
+    pdtype = torch.float32 if autocast else torch.bfloat16
+    x, calls = _gemm_calls("cuda", pdtype, pdtype)
+    for name, call, leaves in calls:
+        taken = []
+        monkeypatch.setattr(shared, "_gemm_entry", lambda *a: taken.append(entry(*a)) or taken[-1])
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            got = call("cuda")
+            monkeypatch.setattr(shared, "_gemm_entry", shared._declined)
+            want = call("cuda")
+        assert len(taken) == 1 and taken[0] is got, name  # the entry ran the call
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want), name
+        g = torch.randn_like(got)
+        for a, e in zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g)):
+            assert a.dtype == e.dtype and torch.equal(a, e), name
+
+
+@pytest.mark.gpu
+def test_gemm_entry_follows_the_auto_table(monkeypatch):
+    # "auto" runs the cuda kernels from the entry only where linear_act's table puts them first:
+    # on the H200, bf16 small training calls take eager torch for gelu_tanh and the kernels for gelu
+    from ampkernels.ops import linear_act as la, shared
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the table's cells are the H200's")
+    assert la.preference(torch.device("cuda"), torch.bfloat16, "gelu_tanh", "small", True) == ("torch",)
+    assert la.preference(torch.device("cuda"), torch.bfloat16, "gelu", "small", True)[0] == "cuda"
+    entry, taken = shared._gemm_entry, []
+    monkeypatch.setattr(shared, "_gemm_entry", lambda *a: taken.append(entry(*a)) or taken[-1])
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(512, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = ampkernels.linear_act(x, w, None, "gelu_tanh")
+        kernel = ampkernels.linear_act(x, w, None, "gelu")
+        with torch.no_grad():  # inference: cuda first for both
+            inference = ampkernels.linear_act(x, w, None, "gelu_tanh")
+    assert taken[0] is NotImplemented and "ampkernels" not in eager.grad_fn.name()
+    assert taken[1] is kernel and kernel.grad_fn.name() == "ampkernels::LinearActBackward"
+    assert taken[2] is inference

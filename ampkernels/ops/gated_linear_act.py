@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .. import _extension, backends, reference
 from . import linear_act as la
-from .shared import autocast_dtypes, gemm_unsupported, kernel_op, torch_path_params
+from .shared import autocast_dtypes, gemm_entry, gemm_unsupported, kernel_op, torch_path_params
 
 ACTIVATIONS = reference.GATED_ACTIVATIONS
 
@@ -139,6 +139,9 @@ def preference(device, dtype, activation, bucket, training, compiling=False):
     return _AUTO
 
 
+_NOT_CUDA_FIRST = frozenset()  # "auto" runs the cuda kernels first in every cell (gemm_entry's set)
+
+
 @backends.assume_constant_result
 def _choose(backend, device, dtype, activation, bucket, training, unsupported, compiling):
     # a host-side decision, a constant of the graph under torch.compile (as linear_act's _choose)
@@ -207,6 +210,11 @@ def gated_linear_act(x, gate_weight, up_weight, gate_bias=None, up_bias=None, ac
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_linear_act: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not recompute:  # the plain eager call, without the Python below (ops/shared.py gemm_entry)
+        out = gemm_entry("gated_linear_act", x, (gate_weight, up_weight, gate_bias, up_bias),
+                         la.ACT_ID[activation], backend, _NOT_CUDA_FIRST, la.BUCKET_BOUNDS)
+        if out is not NotImplemented:
+            return out
     _check_args(x, gate_weight, up_weight, gate_bias, up_bias)
     x, xk, (wg, wu, bg, bu), cast_to, name, training = _prepare(
         "gated_linear_act", x, (gate_weight, up_weight, gate_bias, up_bias), activation, backend)
@@ -225,6 +233,10 @@ def gated_mlp(x, gate_weight, up_weight, gate_bias, up_bias, down_weight, down_b
     them (training on the kernels). On the torch backend, the eager block."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    out = gemm_entry("gated_mlp", x, (gate_weight, up_weight, gate_bias, up_bias, down_weight, down_bias),
+                     la.ACT_ID[activation], backend, _NOT_CUDA_FIRST, la.BUCKET_BOUNDS)
+    if out is not NotImplemented:  # the plain eager call, without the Python below
+        return out
     _check_args(x, gate_weight, up_weight, gate_bias, up_bias)
     if down_weight.dim() != 2 or down_weight.shape[1] != gate_weight.shape[0]:
         raise ValueError(f"gated_mlp: down_weight must be (N, {gate_weight.shape[0]}), got {tuple(down_weight.shape)}")

@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _extension, backends, reference
-from .shared import autocast_dtypes, gemm_unsupported, kernel_op, torch_path_params
+from .shared import autocast_dtypes, gemm_entry, gemm_entry_key, gemm_unsupported, kernel_op, torch_path_params
 from ..triton import device_index, device_properties
 
-_ACT_SET = frozenset(reference.ACTIVATIONS)
+ACT_ID = {name: i for i, name in enumerate(reference.ACTIVATIONS)}
 
 
 def _triton():
@@ -177,9 +177,23 @@ _AUTO_TABLE: dict = {(9, dtype, act, bucket, training): pref
                      for act, pref in zip(_ACT_COLUMNS, prefs)}
 
 
+BUCKET_BOUNDS = (1 << 34, 1 << 37)  # M*N*K below which a call is "small", "medium"
+
+
 def shape_bucket(m, n, k):
     work = m * n * k
-    return "small" if work < (1 << 34) else "medium" if work < (1 << 37) else "large"
+    return "small" if work < BUCKET_BOUNDS[0] else "medium" if work < BUCKET_BOUNDS[1] else "large"
+
+
+def not_cuda_first(first):
+    """The gemm_entry keys (ops/shared.py) of the table's cells where first(preference) is not
+    "cuda": there the entry declines and the Python path decides. Cells outside the table take
+    _AUTO_DEFAULT, cuda first."""
+    return frozenset(gemm_entry_key(reference.activation_id(act), cc, dtype, bucket, training)
+                     for (cc, dtype, act, bucket, training), pref in _AUTO_TABLE.items() if first(pref) != "cuda")
+
+
+_NOT_CUDA_FIRST = not_cuda_first(lambda pref: pref[0])
 
 
 def auto_preference(device, dtype, activation, m, n, k, training=False):
@@ -247,8 +261,13 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     recompute=True saves memory: backward recomputes the pre-activation instead of keeping it.
     backend: None/"auto" | "cuda" | "triton" | "torch" (see ampkernels.backends).
     """
-    if activation not in _ACT_SET:
+    if activation not in ACT_ID:
         reference.activation_id(activation)  # raises, naming the choices
+    if not recompute:  # the plain eager call, without the Python below (ops/shared.py gemm_entry)
+        out = gemm_entry("linear_act", x, (weight, bias), ACT_ID[activation], backend, _NOT_CUDA_FIRST,
+                         BUCKET_BOUNDS)
+        if out is not NotImplemented:
+            return out
     _check_args(x, weight, bias)
     device = x.device
     x, cast_to = autocast_dtypes("linear_act", x, (weight, bias), ("weight", "bias"))

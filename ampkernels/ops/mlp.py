@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .. import _extension, backends, reference
 from . import linear_act as la
-from .shared import gemm_unsupported
+from .shared import gemm_entry, gemm_unsupported
 
 
 def _fused_mlp_fake(x, w1, b1, w2, b2, activation, cast_to, backend):
@@ -35,6 +35,10 @@ def _fused_mlp_fake(x, w1, b1, w2, b2, activation, cast_to, backend):
 
 
 _extension.on_load(lambda: torch.library.register_fake("ampkernels::fused_mlp")(_fused_mlp_fake))
+
+
+def _eager_first(pref):
+    return tuple(b for b in pref if b != "torch") or ("cuda", "triton")
 
 
 def auto_preference(device, dtype, activation, bucket, training, compiling=False):
@@ -46,7 +50,10 @@ def auto_preference(device, dtype, activation, bucket, training, compiling=False
     pref = la.preference(device, dtype, activation, bucket, training, compiling)
     if compiling:
         return pref  # linear_act's decision under torch.compile (inductor gets the block)
-    return tuple(b for b in pref if b != "torch") or ("cuda", "triton")
+    return _eager_first(pref)
+
+
+_NOT_CUDA_FIRST = la.not_cuda_first(lambda pref: _eager_first(pref)[0])
 
 
 @backends.assume_constant_result
@@ -60,6 +67,11 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
     """act(x @ w1.T + b1) @ w2.T + b2 over the last dim of x, keeping one hidden-sized
     tensor for backward. Under CUDA autocast, inputs are cast to the autocast dtype as
     F.linear casts them; fp32 without autocast, CPU tensors and other dtypes run eager torch."""
+    params = (w1, b1, w2, b2)
+    out = gemm_entry("fused_mlp", x, params, la.ACT_ID.get(activation, -1), backend, _NOT_CUDA_FIRST,
+                     la.BUCKET_BOUNDS)  # the plain eager call, without the Python below
+    if out is not NotImplemented:
+        return out
     reference.activation_id(activation)
     for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
         if t is not None and not t.is_floating_point():
@@ -67,7 +79,6 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
     if x.shape[-1] != w1.shape[1] or w2.shape[1] != w1.shape[0]:
         raise ValueError(f"shapes do not chain: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} "
                          "(need x[..., K], w1 (H, K), w2 (N, H))")
-    params = (w1, b1, w2, b2)
     cast_to = None  # under autocast the op casts the weights (it keeps no cast of w1)
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
         x = x.to(torch.get_autocast_dtype("cuda"))

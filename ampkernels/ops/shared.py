@@ -1,8 +1,9 @@
 """Helpers several ops share: the registration of the Triton kernels as ops, whether the GEMM
-ops' kernels take an input, and F.linear's autocast dtype rule for the ops built on GEMMs."""
+ops' kernels take an input, F.linear's autocast dtype rule for the ops built on GEMMs, and those
+ops' eager entry."""
 import torch
 
-from .. import _extension
+from .. import _extension, backends
 
 _LIB = torch.library.Library("ampkernels", "FRAGMENT")
 
@@ -61,3 +62,41 @@ def torch_path_params(params, cast_to):
     if cast_to is None:
         return params
     return tuple(t.to(cast_to) if t is not None and t.dtype == torch.float64 else t for t in params)
+
+
+# ---------------------------------------------------------------- the GEMM ops' eager entry
+
+GEMM_OPS = {"linear_act": 0, "fused_mlp": 1, "gated_linear_act": 2, "gated_mlp": 3}
+BUCKETS = ("small", "medium", "large")
+
+
+def gemm_entry_key(activation_id, cc_major, dtype, bucket, training):
+    """The key under which the extension's gemm_entry (csrc/ops.cpp) finds a call's "auto" cell:
+    an op passes the set of keys whose first preference is not the cuda kernels."""
+    return (((activation_id * 32 + cc_major) * 2 + (dtype == torch.bfloat16)) * 3 + BUCKETS.index(bucket)) * 2 + \
+        int(training)
+
+
+def _declined(*args):
+    return NotImplemented
+
+
+def _gemm_entry(*args):
+    # the first call binds the extension's entry (or a stand-in that declines) in its place
+    global _gemm_entry
+    if backends.available_backends()["cuda"][0]:
+        from .. import _C
+        _gemm_entry = _C.gemm_entry
+    else:
+        _gemm_entry = _declined
+    return _gemm_entry(*args)
+
+
+def gemm_entry(op, x, params, activation_id, backend, not_cuda_first, buckets):
+    """The plain eager call of a GEMM op (CUDA tensors, the cuda kernels chosen) run by the
+    extension without the op's Python: its output, or NotImplemented for any other call (the
+    caller then validates and decides in full). Not under torch.compile: dynamo traces the
+    Python path."""
+    if torch.compiler.is_compiling():
+        return NotImplemented
+    return _gemm_entry(GEMM_OPS[op], x, params, activation_id, backend, not_cuda_first, buckets)
