@@ -18,10 +18,10 @@ Cases, all under autocast with fp32 parameters and (but for the last two) 16-bit
 Each call runs in its own autocast region (a step's forward casts each parameter once; one
 region around all calls would let torch reuse its cached casts). Host time of a call: the wall
 time of CALLS back-to-back calls without synchronisation, divided by CALLS, after warm-up; the
-median of REPEATS such runs. A backward is timed on
-graphs built beforehand (one forward each), so that its time holds no forward. Each
-ampkernels backend is timed ("cuda", "triton", "auto"). Rows: op, case, pass (fwd|bwd),
-provider, host_us.
+median of REPEATS such runs, the providers of a case taking turns run by run (the host's drift
+reaches each alike). A backward is timed on graphs built beforehand (one forward each), so that
+its time holds no forward. Each ampkernels backend is timed ("cuda", "triton", "auto"). Rows:
+op, case, pass (fwd|bwd), provider, host_us.
 
 Without a GPU the torch reference path runs (a CPU demo: there the time is the CPU's
 whole work, not host overhead beside a GPU).
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .common import guard, progress
 
 ROWS, HIDDEN, FFN = 8, 256, 1024
-CALLS, REPEATS, WARMUP = 200, 7, 20
+CALLS, REPEATS, WARMUP = 200, 11, 20
 CPU_CALLS, CPU_REPEATS, CPU_WARMUP = 10, 3, 2
 
 
@@ -136,23 +136,22 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def host_us(fn, calls, repeats, device, prepare=None):
-    """Median over `repeats` of the wall time of `calls` unsynchronised calls, us per call.
-    prepare(calls) -> the calls' arguments, made before the clock starts (for backward: graphs)."""
-    times = []
-    for _ in range(repeats):
-        args = prepare(calls) if prepare else [()] * calls
-        _sync(device)
-        t0 = time.perf_counter()
-        for a in args:
-            fn(*a)
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        _sync(device)
-    return statistics.median(times)
+def host_once(fn, calls, device, prepare=None):
+    """The wall time of `calls` unsynchronised calls of fn, us per call. prepare(calls) -> the
+    calls' arguments, made before the clock starts (for backward: graphs)."""
+    args = prepare(calls) if prepare else [()] * calls
+    _sync(device)
+    t0 = time.perf_counter()
+    for a in args:
+        fn(*a)
+    us = (time.perf_counter() - t0) / calls * 1e6
+    _sync(device)
+    return us
 
 
-def measure(fwd, inputs, calls, repeats, device, warmup=WARMUP):
-    """(forward host us, backward host us) of fwd() -> tensor or tuple, gradients to inputs."""
+def timers(fwd, inputs, device, warmup=WARMUP):
+    """(forward timer, backward timer) of fwd() -> tensor or tuple, gradients to inputs: each
+    timer(calls) is one host_once of that pass."""
     def outputs():
         out = fwd()
         return out if isinstance(out, tuple) else (out,)
@@ -161,9 +160,8 @@ def measure(fwd, inputs, calls, repeats, device, warmup=WARMUP):
     step = lambda outs: torch.autograd.grad(outs, inputs, grads)  # noqa: E731
     for _ in range(warmup):  # compiles, autotunes, fills caches
         step(outputs())
-    fwd_us = host_us(fwd, calls, repeats, device)
-    bwd_us = host_us(step, calls, repeats, device, prepare=lambda n: [(outputs(),) for _ in range(n)])
-    return fwd_us, bwd_us
+    return (lambda calls: host_once(fwd, calls, device),
+            lambda calls: host_once(step, calls, device, prepare=lambda n: [(outputs(),) for _ in range(n)]))
 
 
 def _providers(device):
@@ -182,30 +180,48 @@ def run(recorder, dtypes, quick, device=None):
         print("NO GPU: host-time benchmark of the torch reference path on the CPU (a CPU demo): these times are\n"
               "the CPU's whole work, not the host's overhead beside a GPU; run it on a CUDA machine.\n", flush=True)
         dtypes = [torch.bfloat16]
-    cases = [(dt, case, p) for dt in dtypes for case in CASES for p in ["eager"] + _providers(device)]
-    label = lambda c: f"{str(c[0]).replace('torch.', '')} {c[1]} {c[2]}"  # noqa: E731
-    for dtype, case, provider in progress(cases, "host", label):
-        guard(recorder, f"host {case} {provider}", _one, recorder, dtype, case, provider, calls, repeats, device)
+    cells = [(dt, case) for dt in dtypes for case in CASES]
+    label = lambda c: f"{str(c[0]).replace('torch.', '')} {c[1]}"  # noqa: E731
+    for dtype, case in progress(cells, "host", label):
+        _cell(recorder, dtype, case, ["eager"] + _providers(device), calls, repeats, device)
 
 
-def _one(recorder, dtype, case, provider, calls, repeats, device):
+def _cell(recorder, dtype, case, providers, calls, repeats, device):
+    """One case, every provider: the providers' runs interleaved, repeat by repeat, so that the
+    host's drift (clocks, other processes) reaches each alike; the median of each one's runs."""
     op, setup = CASES[case]
-    inputs, eager, ours = setup(device, dtype)
-    call = eager if provider == "eager" else ours(provider)
+    runs = {}  # provider -> (inputs, fwd timer, bwd timer)
+    for provider in providers:
+        def prepare(provider=provider):
+            inputs, eager, ours = setup(device, dtype)
+            call = eager if provider == "eager" else ours(provider)
 
-    def fn():
-        # one autocast region per call, as a training step has one per forward: autocast caches
-        # its casts of leaf tensors (here the parameters and x) until the region closes, and one
-        # region around all calls would time torch's ops without their casts
-        with torch.autocast(device, dtype=dtype):
-            return call()
-    fwd_us, bwd_us = measure(fn, inputs, calls, repeats, device, WARMUP if device == "cuda" else CPU_WARMUP)
-    name = "torch" if provider == "eager" else f"ampkernels-{provider}"
-    for pss, us in (("fwd", fwd_us), ("bwd", bwd_us)):
-        recorder.add(op=op, case=case, provider=name, **{"pass": pss}, dtype=str(dtype).replace("torch.", ""),
-                     shape="x".join(map(str, inputs[0].shape)), device=device, bench="host",
-                     metric="host us" if device == "cuda" else "host us (CPU demo)", value=round(us, 1),
-                     host_us=us, calls=calls, repeats=repeats)
+            def fn():
+                # one autocast region per call, as a training step has one per forward: autocast
+                # caches its casts of leaf tensors (here the parameters and x) until the region
+                # closes, and one region around all calls would time torch's ops without their casts
+                with torch.autocast(device, dtype=dtype):
+                    return call()
+            return (inputs, *timers(fn, inputs, device, WARMUP if device == "cuda" else CPU_WARMUP))
+        got = guard(recorder, f"host {case} {provider}", prepare)
+        if got is not None:
+            runs[provider] = got
+    times = {provider: ([], []) for provider in runs}
+    for _ in range(repeats):
+        for provider, (_, fwd, bwd) in list(runs.items()):
+            got = guard(recorder, f"host {case} {provider}", lambda: (fwd(calls), bwd(calls)))
+            if got is None:
+                del runs[provider]
+                continue
+            times[provider][0].append(got[0])
+            times[provider][1].append(got[1])
+    for provider, (inputs, _, _) in runs.items():
+        name = "torch" if provider == "eager" else f"ampkernels-{provider}"
+        for pss, us in zip(("fwd", "bwd"), map(statistics.median, times[provider])):
+            recorder.add(op=op, case=case, provider=name, **{"pass": pss}, dtype=str(dtype).replace("torch.", ""),
+                         shape="x".join(map(str, inputs[0].shape)), device=device, bench="host",
+                         metric="host us" if device == "cuda" else "host us (CPU demo)", value=round(us, 1),
+                         host_us=us, calls=calls, repeats=repeats)
 
 
 def report(rows):
