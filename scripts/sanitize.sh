@@ -6,7 +6,7 @@
 # exit code, time, the tool's summary, error kinds by kernel) and $OUT/sanitizer-logs.tar.gz
 # (packed after every run, so a call cut short still brings back what ran).
 #   SANITIZER_TOOLS="memcheck initcheck"  SANITIZER_BACKENDS="cuda"  SANITIZER_TIMEOUT=300
-#   SANITIZER_FAMILIES="norms gated"       (op families: norms norm_mixes linear_act mlp gated lce)
+#   SANITIZER_FAMILIES="norms gated"       (op families: norms norm_mixes linear_act mlp gated lce rotary)
 #   SANITIZER_JOBS=4                       (tool runs at once on the one GPU; 1 by default)
 # memcheck, racecheck and synccheck run one process per op family (racecheck also one per
 # backend): all families in one process outlasted a 100 s cap under memcheck and racecheck.
@@ -28,7 +28,7 @@ summary="$OUT/sanitizer.txt"
 # one Triton config per kernel (AMPKERNELS_TRITON_AUTOTUNE=0): the masking and indexing under
 # test are the same for every tile size, and tuning would compile and time dozens per shape
 export AMPKERNELS_TRITON_AUTOTUNE=0
-FAMILIES=${SANITIZER_FAMILIES:-norms norm_mixes linear_act mlp gated lce}
+FAMILIES=${SANITIZER_FAMILIES:-norms norm_mixes linear_act mlp gated lce rotary}
 # compile the Triton kernels once outside the tool (it slows the compiler down tenfold); the
 # runs below load them from Triton's cache. One process per family and backend, all at once:
 # the warm-up is bound by Triton's compiler, a core a process (one process took 3 minutes)

@@ -1,7 +1,7 @@
 """The kernels of both op families, forward and backward, on boundary shapes and dtype mixes,
 for compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short.
 
-    [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms norm_mixes linear_act mlp gated lce"] \
+    [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms norm_mixes linear_act mlp gated lce rotary"] \
         python scripts/sanitize_cases.py [cuda] [triton] [torch]
 
 Every output and gradient is checked against float64 autograd with the tests' checks
@@ -33,6 +33,9 @@ ampkernels/triton/layer_norm.py):
 - gated: gated_linear_act's forward epilogue and fused backward, packed weights and not.
 - lce: linear_cross_entropy's row pass, drawn cases (tests/test_fuzz.lce_case) at row lengths
   around the kernels' block sizes.
+- rotary: rotary_embedding's forward and backward (tests/test_rotary._check) at head dims whose
+  half is not a power of two, the smallest and the largest, GQA, both layouts (q and k strided),
+  fp32 and 16-bit cos/sin of batch 1 or B, an fp32 out_dtype.
 The cases run inside a function so that every tensor is freed before the process exits:
 memcheck's leak check would otherwise count the module-level tensors still alive at exit.
 """
@@ -47,6 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tests.test_dtype_combos import ISSUE_31, NormCombo, check_combo, norm_combos, pairwise  # noqa: E402
 from tests.test_fuzz import check_linear_act, check_mlp, lce_case, tensor  # noqa: E402
 from tests.test_gated_linear_act import _check as check_gated, _inputs as gated_inputs  # noqa: E402
+from tests.test_rotary import _check as check_rotary, _inputs as rotary_inputs  # noqa: E402
 
 import ampkernels  # noqa: E402
 
@@ -152,6 +156,19 @@ def lce_cases(backend, dtype):
             rng, gen, params, backend, dev, (dtype,), (7, 300, 1001, 2048, 4100)))
 
 
+def rotary_cases(backend, dtype):
+    # (batch, q heads, k heads, positions, head dim)
+    for (b, hq, hk, s, d) in ((1, 1, 1, 1, 2), (2, 3, 1, 33, 6), (1, 5, 5, 9, 128), (2, 2, 2, 3, 256),
+                              (2, 8, 2, 70, 64)):
+        for layout in ("bhsd", "bshd"):
+            for cs_dtype, cos_batch in ((F32, 1), (dtype, b)):
+                ins = rotary_inputs(b, hq, hk, s, d, dtype, cs_dtype, layout, cos_batch, device=dev)
+                case(f"{backend} rotary {layout} cos/sin {cs_dtype} batch {cos_batch} {dtype} {b}x{hq}/{hk}x{s}x{d}",
+                     check_rotary, backend, *ins)
+    ins = rotary_inputs(2, 4, 2, 17, 64, dtype, F32, "bhsd", 2, device=dev)
+    case(f"{backend} rotary out_dtype float32 {dtype}", check_rotary, backend, *ins, out_dtype=F32)
+
+
 def _gluon_on(backend):
     """Whether the Triton norms run a second time with the Gluon kernels on (SANITIZER_GLUON=0: no)."""
     if backend != "triton" or dev != "cuda" or os.environ.get("SANITIZER_GLUON", "1") == "0":
@@ -166,7 +183,7 @@ def _dtypes():
 
 def main(backends):
     torch.manual_seed(0)
-    ops = os.environ.get("SANITIZER_OPS", "norms norm_mixes linear_act mlp gated lce").split()
+    ops = os.environ.get("SANITIZER_OPS", "norms norm_mixes linear_act mlp gated lce rotary").split()
     for backend in backends:
         for dtype in _dtypes():
             if "norms" in ops:
@@ -186,6 +203,8 @@ def main(backends):
                 gated_cases(backend, dtype)
             if "lce" in ops:
                 lce_cases(backend, dtype)
+            if "rotary" in ops:
+                rotary_cases(backend, dtype)
         if dev == "cuda":
             torch.cuda.synchronize()
         print(f"sanitize cases done: {backend} ({CASES[0]} cases so far)", flush=True)
