@@ -416,7 +416,7 @@ def _gemm_calls(device, pdtype, xdtype):
     return x, [
         ("linear_act", lambda be: ampkernels.linear_act(x, w1, b1, "gelu_tanh", backend=be), (x, w1, b1)),
         ("linear_act no bias", lambda be: ampkernels.linear_act(x, w1, None, "relu", backend=be), (x, w1)),
-        ("fused_mlp", lambda be: ampkernels.fused_mlp(x, w1, b1, w2, b2, "gelu", backend=be), (x, w1, b1, w2, b2)),
+        ("fused_mlp", lambda be: mlp_ops.fused_mlp(x, w1, b1, w2, b2, "gelu", backend=be), (x, w1, b1, w2, b2)),
         ("gated_linear_act", lambda be: ampkernels.gated_linear_act(x, w1, wu, b1, bu, "silu", backend=be),
          (x, w1, wu, b1, bu)),
         ("gated_mlp", lambda be: gla.gated_mlp(x, w1, wu, None, None, w2, b2, "gelu_tanh", backend=be),
