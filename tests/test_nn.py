@@ -462,7 +462,7 @@ def test_gemm_entry_matches_the_full_path(monkeypatch, autocast):
     # entry runs), with 16-bit parameters or, under autocast, fp32 master weights and fp32 x
     from ampkernels.ops import shared
     torch.manual_seed(0)
-    entry = shared._gemm_entry
+    entry = shared.extension_gemm_entry()
     pdtype = torch.float32 if autocast else torch.bfloat16
     x, calls = _gemm_calls("cuda", pdtype, pdtype)
     for name, call, leaves in calls:
@@ -488,7 +488,7 @@ def test_gemm_entry_follows_the_auto_table(monkeypatch):
         pytest.skip("the table's cells are the H200's")
     assert la.preference(torch.device("cuda"), torch.bfloat16, "gelu_tanh", "small", True) == ("torch",)
     assert la.preference(torch.device("cuda"), torch.bfloat16, "gelu", "small", True)[0] == "cuda"
-    entry, taken = shared._gemm_entry, []
+    entry, taken = shared.extension_gemm_entry(), []
     monkeypatch.setattr(shared, "_gemm_entry", lambda *a: taken.append(entry(*a)) or taken[-1])
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(512, 256, device="cuda", requires_grad=True)

@@ -81,14 +81,19 @@ def _declined(*args):
     return NotImplemented
 
 
+def extension_gemm_entry():
+    """The extension's gemm_entry (csrc/ops.cpp), or where the cuda backend does not run a
+    stand-in that always declines."""
+    if not backends.available_backends()["cuda"][0]:
+        return _declined
+    from .. import _C
+    return _C.gemm_entry
+
+
 def _gemm_entry(*args):
-    # the first call binds the extension's entry (or a stand-in that declines) in its place
+    # the first call binds the entry in its place
     global _gemm_entry
-    if backends.available_backends()["cuda"][0]:
-        from .. import _C
-        _gemm_entry = _C.gemm_entry
-    else:
-        _gemm_entry = _declined
+    _gemm_entry = extension_gemm_entry()
     return _gemm_entry(*args)
 
 
