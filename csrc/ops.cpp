@@ -1630,6 +1630,16 @@ using NormOpFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std
 // A torch.Tensor or nn.Parameter, not a subclass (whose __torch_function__ the Python path honours)
 bool plain_tensor(PyObject* obj) { return THPVariable_CheckExact(obj); }
 
+// The GIL released for its scope (restored before an exception reaches HANDLE_TH_ERRORS): the
+// entries run the op without it, as torch's own bindings do.
+struct GilReleased {
+  PyThreadState* state = PyEval_SaveThread();
+  GilReleased() = default;
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+  ~GilReleased() { PyEval_RestoreThread(state); }
+};
+
 // backend None/"auto"/"cuda" (None: AMPKERNELS_BACKEND unset, empty, auto or cuda): 1 "auto", 2 "cuda", 0 other
 int auto_or_cuda(PyObject* backend_obj) {
   const auto classify = [](const char* name) {
@@ -1712,14 +1722,8 @@ PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::norm", "").typed<NormOpFn>();
   at::Tensor out;
   {
-    PyThreadState* state = PyEval_SaveThread();  // as torch's own bindings, the op runs without the GIL
-    try {
-      out = std::get<0>(op.call(x, w, bias, std::nullopt, eps, is_rms, out_dtype, false, "cuda", "cuda"));
-    } catch (...) {
-      PyEval_RestoreThread(state);
-      throw;
-    }
-    PyEval_RestoreThread(state);
+    GilReleased released;
+    out = std::get<0>(op.call(x, w, bias, std::nullopt, eps, is_rms, out_dtype, false, "cuda", "cuda"));
   }
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -1849,31 +1853,25 @@ PyObject* gemm_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
   }
   at::Tensor out;
   {
-    PyThreadState* state = PyEval_SaveThread();  // as torch's own bindings, the op runs without the GIL
-    try {
-      if (x.scalar_type() != dt) x = x.to(dt);
-      if (op_id == 0) {
-        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::linear_act", "")
-                                   .typed<GemmLinearFn>();
-        out = op.call(x, *p[0], p[1], act, cast_to, false, "cuda");
-      } else if (op_id == 1) {
-        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::fused_mlp", "")
-                                   .typed<GemmMLPFn>();
-        out = op.call(x, *p[0], p[1], *p[2], p[3], act, cast_to, "cuda");
-      } else if (op_id == 2) {
-        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::gated_linear_act", "")
-                                   .typed<GemmGatedFn>();
-        out = op.call(x, *p[0], *p[1], p[2], p[3], act, cast_to, false, "cuda");
-      } else {
-        static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::gated_mlp", "")
-                                   .typed<GemmGatedMLPFn>();
-        out = op.call(x, *p[0], *p[1], p[2], p[3], *p[4], p[5], act, cast_to, "cuda");
-      }
-    } catch (...) {
-      PyEval_RestoreThread(state);
-      throw;
+    GilReleased released;
+    if (x.scalar_type() != dt) x = x.to(dt);
+    if (op_id == 0) {
+      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::linear_act", "")
+                                 .typed<GemmLinearFn>();
+      out = op.call(x, *p[0], p[1], act, cast_to, false, "cuda");
+    } else if (op_id == 1) {
+      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::fused_mlp", "")
+                                 .typed<GemmMLPFn>();
+      out = op.call(x, *p[0], p[1], *p[2], p[3], act, cast_to, "cuda");
+    } else if (op_id == 2) {
+      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::gated_linear_act", "")
+                                 .typed<GemmGatedFn>();
+      out = op.call(x, *p[0], *p[1], p[2], p[3], act, cast_to, false, "cuda");
+    } else {
+      static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::gated_mlp", "")
+                                 .typed<GemmGatedMLPFn>();
+      out = op.call(x, *p[0], *p[1], p[2], p[3], *p[4], p[5], act, cast_to, "cuda");
     }
-    PyEval_RestoreThread(state);
   }
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -1882,7 +1880,6 @@ PyObject* gemm_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
 PyMethodDef methods[] = {
     {"gemm_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&gemm_entry)), METH_FASTCALL,
      "The GEMM ops' eager entry (ampkernels/ops/shared.py): the output, or NotImplemented"},
-
     {"norm_module", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&norm_module)), METH_FASTCALL,
      "The norm modules' eager entry (ampkernels/nn/modules.py): the output, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};
