@@ -113,6 +113,19 @@ def test_e2e_timed_steps_take_turns(monkeypatch):
     assert [r["op"] for r in rec.rows] == ["e2e m fp32_convert eager"] and "no" in rec.rows[0]["value"]
 
 
+def test_compiled_groups_run_without_the_aot_autograd_cache(monkeypatch):
+    # torch 2.11 keys its AOTAutograd cache without the ambient autocast dtype: a compiled bf16
+    # group must not be served the graph of the fp16 group before it (pytorch#181564)
+    import torch._functorch.config as functorch_config
+    seen = []
+    monkeypatch.setattr(bench_e2e, "_train_group",
+                        lambda *a: seen.append((a[3], functorch_config.enable_autograd_cache)) or [])
+    before = functorch_config.enable_autograd_cache
+    for compiled in (True, False):
+        bench_e2e.train_group(Recorder(None), argparse.Namespace(name="m"), ["amp_bf16"], compiled, 2, "cpu")
+    assert seen == [(True, False), (False, before)] and functorch_config.enable_autograd_cache == before
+
+
 def test_e2e_slicing_options():
     p = argparse.ArgumentParser()
     bench_e2e.add_arguments(p)

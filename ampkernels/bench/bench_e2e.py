@@ -333,9 +333,24 @@ def train_group(recorder, work, modes, compiled, steps, device):
     The first half of each mode's steps runs mode after mode (first-step time, peak memory);
     the timed second half runs in bursts of BURST steps taking the modes in turn, in alternating
     order (A B, B A, ...), so that a drift of the host's speed during the run reaches every mode
-    alike: eager steps wait on the host, and the host's speed varies over seconds."""
-    if compiled:
+    alike: eager steps wait on the host, and the host's speed varies over seconds.
+
+    Compiled groups run without the AOTAutograd cache: torch before the fix of pytorch#181564
+    (2.11 among them) keyed it without the ambient autocast dtype, so a bf16 group was served the
+    graph compiled for the fp16 group before it (fp16 math, no loss scaling) wherever the two
+    traced alike: LLaMA, BERT and ViT did, with a first step of 1-3 s and another loss."""
+    if not compiled:
+        return _train_group(recorder, work, modes, compiled, steps, device)
+    import torch._functorch.config as functorch_config
+    with functorch_config.patch(enable_autograd_cache=False):
         torch._dynamo.reset()
+        try:
+            return _train_group(recorder, work, modes, compiled, steps, device)
+        finally:
+            torch._dynamo.reset()
+
+
+def _train_group(recorder, work, modes, compiled, steps, device):
     warm = max(1, steps // 2)
     runs = [guard(recorder, f"e2e {work.name} {mode}" + (" compile" if compiled else " eager"), _started, work, mode,
                   compiled, device, warm) for mode in modes]
@@ -346,8 +361,6 @@ def train_group(recorder, work, modes, compiled, steps, device):
         for r in runs if turn % 2 == 0 else runs[::-1]:
             r.run(n, timed=True)
         left, turn = left - n, turn + 1
-    if compiled:
-        torch._dynamo.reset()
     return [_row(recorder, work, r, steps) for r in runs]
 
 
