@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from .common import guard, progress
+from .common import guard, own_compiles, progress
 
 MODELS = ("gpt2", "llama", "bert", "vit")
 TITLES = {"gpt2": "GPT-2 small", "llama": "LLaMA-style", "bert": "BERT-base MLM", "vit": "ViT-B/16"}
@@ -335,14 +335,12 @@ def train_group(recorder, work, modes, compiled, steps, device):
     order (A B, B A, ...), so that a drift of the host's speed during the run reaches every mode
     alike: eager steps wait on the host, and the host's speed varies over seconds.
 
-    Compiled groups run without the AOTAutograd cache: torch before the fix of pytorch#181564
-    (2.11 among them) keyed it without the ambient autocast dtype, so a bf16 group was served the
-    graph compiled for the fp16 group before it (fp16 math, no loss scaling) wherever the two
-    traced alike: LLaMA, BERT and ViT did, with a first step of 1-3 s and another loss."""
+    Compiled groups run without the AOTAutograd cache (common.own_compiles): with it a bf16 group
+    was served the graph compiled for the fp16 group before it (fp16 math, no loss scaling)
+    wherever the two traced alike: LLaMA, BERT and ViT did, with a first step of 1-3 s."""
     if not compiled:
         return _train_group(recorder, work, modes, compiled, steps, device)
-    import torch._functorch.config as functorch_config
-    with functorch_config.patch(enable_autograd_cache=False):
+    with own_compiles():
         torch._dynamo.reset()
         try:
             return _train_group(recorder, work, modes, compiled, steps, device)

@@ -10,11 +10,12 @@ both norms emit the autocast dtype
 above the inputs and weights, measured over one untimed step), the memory the forward leaves for backward
 (held_after_fwd_MiB, incl. the fp32 y), tokens/s.
 """
+import contextlib
 import copy
 
 import torch
 
-from .common import bench, cuda_step_peak, guard, progress, standalone_main
+from .common import bench, cuda_step_peak, guard, own_compiles, progress, standalone_main
 
 SHAPES = [(16384, 1024), (8192, 4096)]
 
@@ -58,8 +59,9 @@ def run(recorder, dtypes, quick, shapes=None):
         providers, eager = _providers(hidden)
         chosen = [p for p in providers if p[2] is None or p[2] in dtypes or "fp32" in p[0]]
         for name, block, dtype in progress(chosen, f"mlp_block T={tokens} H={hidden}", lambda p: p[0]):
-            guard(recorder, f"mlp_block {name} T={tokens} H={hidden}", _step_time, recorder, name, block, eager,
-                  dtype, tokens, hidden, quick)
+            with own_compiles() if block == "compile" else contextlib.nullcontext():
+                guard(recorder, f"mlp_block {name} T={tokens} H={hidden}", _step_time, recorder, name, block, eager,
+                      dtype, tokens, hidden, quick)
             torch.cuda.empty_cache()
 
 

@@ -193,6 +193,17 @@ class Recorder:
         return row
 
 
+@contextlib.contextmanager
+def own_compiles():
+    """torch.compile compiles each graph inside anew, without the AOTAutograd cache: torch before
+    the fix of pytorch#181564 (2.11 among them) keys that cache without the ambient autocast
+    dtype, so a module compiled under fp16 autocast was served under bf16 (the benchmarks compile
+    the same fp32 module under both)."""
+    import torch._functorch.config as functorch_config
+    with functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
 def guard(recorder, what, fn, *args, **kwargs):
     """fn(*args, **kwargs): one measurement; an error row instead of losing the whole run."""
     try:
