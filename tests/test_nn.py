@@ -408,12 +408,13 @@ def test_module_entry_matches_the_full_path(monkeypatch):
 # ---------------------------------------------------------------- the GEMM ops' eager entry
 
 def _gemm_calls(device, pdtype, xdtype):
-    """(name, call(backend)) of each GEMM op's functional API on fresh inputs requiring grad."""
+    """(name, call(backend), leaves) of each GEMM op's functional API on fresh inputs requiring
+    grad."""
     k, h, n = 40, 72, 24
     p = lambda *s: (torch.randn(*s, device=device, dtype=pdtype) * s[-1] ** -0.5).requires_grad_()  # noqa: E731
     x = torch.randn(3, 5, k, device=device, dtype=xdtype, requires_grad=True)
     w1, b1, w2, b2, wu, bu = p(h, k), p(h), p(n, h), p(n), p(h, k), p(h)
-    return x, [
+    return [
         ("linear_act", lambda be: ampkernels.linear_act(x, w1, b1, "gelu_tanh", backend=be), (x, w1, b1)),
         ("linear_act no bias", lambda be: ampkernels.linear_act(x, w1, None, "relu", backend=be), (x, w1)),
         ("fused_mlp", lambda be: mlp_ops.fused_mlp(x, w1, b1, w2, b2, "gelu", backend=be), (x, w1, b1, w2, b2)),
@@ -464,8 +465,7 @@ def test_gemm_entry_matches_the_full_path(monkeypatch, autocast):
     torch.manual_seed(0)
     entry = shared.extension_gemm_entry()
     pdtype = torch.float32 if autocast else torch.bfloat16
-    x, calls = _gemm_calls("cuda", pdtype, pdtype)
-    for name, call, leaves in calls:
+    for name, call, leaves in _gemm_calls("cuda", pdtype, pdtype):
         taken = []
         monkeypatch.setattr(shared, "_gemm_entry", lambda *a: taken.append(entry(*a)) or taken[-1])
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):

@@ -67,12 +67,12 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
     """act(x @ w1.T + b1) @ w2.T + b2 over the last dim of x, keeping one hidden-sized
     tensor for backward. Under CUDA autocast, inputs are cast to the autocast dtype as
     F.linear casts them; fp32 without autocast, CPU tensors and other dtypes run eager torch."""
+    act = reference.activation_id(activation)
     params = (w1, b1, w2, b2)
-    out = gemm_entry("fused_mlp", x, params, la.ACT_ID.get(activation, -1), backend, _NOT_CUDA_FIRST,
+    out = gemm_entry("fused_mlp", x, params, act, backend, _NOT_CUDA_FIRST,
                      la.BUCKET_BOUNDS)  # the plain eager call, without the Python below
     if out is not NotImplemented:
         return out
-    reference.activation_id(activation)
     for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
         if t is not None and not t.is_floating_point():
             raise TypeError(f"fused_mlp: {name} must be a floating-point tensor, got {t.dtype}")
@@ -98,5 +98,5 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
     contiguous = lambda t: None if t is None else t.contiguous()  # noqa: E731  (the kernels' layout)
     xk = x if x.is_contiguous() and not compiling else x.reshape(m, k).contiguous()
     out = torch.ops.ampkernels.fused_mlp.default(xk, w1.contiguous(), contiguous(b1), w2.contiguous(), contiguous(b2),
-                                                 reference.activation_id(activation), cast_to, name)
+                                                 act, cast_to, name)
     return out if xk is x else out.reshape(*x.shape[:-1], w2.shape[0])
