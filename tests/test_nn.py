@@ -428,11 +428,12 @@ def _gemm_calls(device, pdtype, xdtype):
 def test_gemm_entry_declines_what_it_does_not_run():
     from ampkernels.ops import shared
     x, w = torch.randn(4, 8, dtype=torch.float16), torch.randn(16, 8, dtype=torch.float16)
-    assert shared.gemm_entry("linear_act", x, (w, None), 3, None, frozenset(), (1 << 34, 1 << 37)) is NotImplemented
+    assert shared.gemm_entry(shared.LINEAR_ACT, x, (w, None), 3, None, frozenset(),
+                             (1 << 34, 1 << 37)) is NotImplemented
     if not ampkernels.available_backends()["cuda"][0]:
         return
     xc, wc = x.cuda(), w.cuda()
-    call = lambda x, params, act=3, backend=None, op="linear_act": shared.gemm_entry(  # noqa: E731
+    call = lambda x, params, act=3, backend=None, op=shared.LINEAR_ACT: shared.gemm_entry(  # noqa: E731
         op, x, params, act, backend, frozenset(), (1 << 34, 1 << 37))
     assert isinstance(call(xc, (wc, None)), torch.Tensor)
 
@@ -446,7 +447,7 @@ def test_gemm_entry_declines_what_it_does_not_run():
         assert call(x_, params) is NotImplemented
     for act, backend in ((6, None), (-1, None), (3, "triton"), (3, "torch"), (3, 3), (3, "\udc80")):
         assert call(xc, (wc, None), act, backend) is NotImplemented
-    assert call(xc, (wc, None, None, None), 1, op="gated_linear_act") is NotImplemented  # relu is not gated
+    assert call(xc, (wc, None, None, None), 1, op=shared.GATED_LINEAR_ACT) is NotImplemented  # relu is not gated
     # fp32 master weights take the kernels under autocast only
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = call(xc.float(), (wc.float(), None))

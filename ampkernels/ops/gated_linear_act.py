@@ -33,7 +33,8 @@ from torch import Tensor
 
 from .. import _extension, backends, reference
 from . import linear_act as la
-from .shared import autocast_dtypes, gemm_entry, gemm_unsupported, kernel_op, torch_path_params
+from .shared import (GATED_LINEAR_ACT, GATED_MLP, autocast_dtypes, gemm_entry, gemm_unsupported, kernel_op,
+                     torch_path_params)
 
 ACTIVATIONS = reference.GATED_ACTIVATIONS
 
@@ -211,7 +212,7 @@ def gated_linear_act(x, gate_weight, up_weight, gate_bias=None, up_bias=None, ac
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_linear_act: activation must be one of {ACTIVATIONS}, got {activation!r}")
     if not recompute:  # the plain eager call, without the Python below (ops/shared.py gemm_entry)
-        out = gemm_entry("gated_linear_act", x, (gate_weight, up_weight, gate_bias, up_bias),
+        out = gemm_entry(GATED_LINEAR_ACT, x, (gate_weight, up_weight, gate_bias, up_bias),
                          la.ACT_ID[activation], backend, _NOT_CUDA_FIRST, la.BUCKET_BOUNDS)
         if out is not NotImplemented:
             return out
@@ -233,7 +234,7 @@ def gated_mlp(x, gate_weight, up_weight, gate_bias, up_bias, down_weight, down_b
     them (training on the kernels). On the torch backend, the eager block."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"gated_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    out = gemm_entry("gated_mlp", x, (gate_weight, up_weight, gate_bias, up_bias, down_weight, down_bias),
+    out = gemm_entry(GATED_MLP, x, (gate_weight, up_weight, gate_bias, up_bias, down_weight, down_bias),
                      la.ACT_ID[activation], backend, _NOT_CUDA_FIRST, la.BUCKET_BOUNDS)
     if out is not NotImplemented:  # the plain eager call, without the Python below
         return out

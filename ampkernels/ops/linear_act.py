@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _extension, backends, reference
-from .shared import autocast_dtypes, gemm_entry, gemm_entry_key, gemm_unsupported, kernel_op, torch_path_params
+from .shared import (BUCKETS, LINEAR_ACT, autocast_dtypes, gemm_entry, gemm_entry_key, gemm_unsupported, kernel_op,
+                     torch_path_params)
 from ..triton import device_index, device_properties
 
 ACT_ID = {name: i for i, name in enumerate(reference.ACTIVATIONS)}
@@ -182,7 +183,7 @@ BUCKET_BOUNDS = (1 << 34, 1 << 37)  # M*N*K below which a call is "small", "medi
 
 def shape_bucket(m, n, k):
     work = m * n * k
-    return "small" if work < BUCKET_BOUNDS[0] else "medium" if work < BUCKET_BOUNDS[1] else "large"
+    return BUCKETS[0] if work < BUCKET_BOUNDS[0] else BUCKETS[1] if work < BUCKET_BOUNDS[1] else BUCKETS[2]
 
 
 def not_cuda_first(first):
@@ -264,7 +265,7 @@ def linear_act(x, weight, bias=None, activation="gelu_tanh", *, backend=None, re
     if activation not in ACT_ID:
         reference.activation_id(activation)  # raises, naming the choices
     if not recompute:  # the plain eager call, without the Python below (ops/shared.py gemm_entry)
-        out = gemm_entry("linear_act", x, (weight, bias), ACT_ID[activation], backend, _NOT_CUDA_FIRST,
+        out = gemm_entry(LINEAR_ACT, x, (weight, bias), ACT_ID[activation], backend, _NOT_CUDA_FIRST,
                          BUCKET_BOUNDS)
         if out is not NotImplemented:
             return out

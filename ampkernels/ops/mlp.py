@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .. import _extension, backends, reference
 from . import linear_act as la
-from .shared import gemm_entry, gemm_unsupported
+from .shared import FUSED_MLP, gemm_entry, gemm_unsupported
 
 
 def _fused_mlp_fake(x, w1, b1, w2, b2, activation, cast_to, backend):
@@ -69,7 +69,7 @@ def fused_mlp(x, w1, b1, w2, b2, activation="gelu_tanh", *, backend=None):
     F.linear casts them; fp32 without autocast, CPU tensors and other dtypes run eager torch."""
     act = reference.activation_id(activation)
     params = (w1, b1, w2, b2)
-    out = gemm_entry("fused_mlp", x, params, act, backend, _NOT_CUDA_FIRST,
+    out = gemm_entry(FUSED_MLP, x, params, act, backend, _NOT_CUDA_FIRST,
                      la.BUCKET_BOUNDS)  # the plain eager call, without the Python below
     if out is not NotImplemented:
         return out

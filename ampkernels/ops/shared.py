@@ -66,8 +66,9 @@ def torch_path_params(params, cast_to):
 
 # ---------------------------------------------------------------- the GEMM ops' eager entry
 
-GEMM_OPS = {"linear_act": 0, "fused_mlp": 1, "gated_linear_act": 2, "gated_mlp": 3}
-BUCKETS = ("small", "medium", "large")
+# the ops' ids in gemm_entry
+LINEAR_ACT, FUSED_MLP, GATED_LINEAR_ACT, GATED_MLP = range(4)
+BUCKETS = ("small", "medium", "large")  # linear_act.shape_bucket's names, in gemm_entry's order
 
 
 def gemm_entry_key(activation_id, cc_major, dtype, bucket, training):
@@ -97,11 +98,11 @@ def _gemm_entry(*args):
     return _gemm_entry(*args)
 
 
-def gemm_entry(op, x, params, activation_id, backend, not_cuda_first, buckets):
+def gemm_entry(op_id, x, params, activation_id, backend, not_cuda_first, buckets):
     """The plain eager call of a GEMM op (CUDA tensors, the cuda kernels chosen) run by the
     extension without the op's Python: its output, or NotImplemented for any other call (the
     caller then validates and decides in full). Not under torch.compile: dynamo traces the
     Python path."""
     if torch.compiler.is_compiling():
         return NotImplemented
-    return _gemm_entry(GEMM_OPS[op], x, params, activation_id, backend, not_cuda_first, buckets)
+    return _gemm_entry(op_id, x, params, activation_id, backend, not_cuda_first, buckets)
