@@ -101,7 +101,7 @@ struct NormForwardArgs {
 cudaError_t norm_forward(const NormForwardArgs& args, cudaStream_t stream);
 
 struct NormBackwardArgs {
-  const void* dy;             // (rows, cols), x_dtype
+  const void* dy;             // (rows, cols), dy_dtype
   const void* x;              // (rows, cols), x_dtype: the normalised input (x, or x + residual)
   const void* weight;         // (cols) or nullptr
   const float* mean;          // (rows) or nullptr (RMSNorm)
@@ -114,7 +114,7 @@ struct NormBackwardArgs {
   int64_t rows, cols;
   int num_blocks;             // from norm_backward_blocks
   bool is_rms;
-  DType x_dtype, param_dtype, dresidual_out_dtype, dx_dtype, dresidual_dtype;
+  DType x_dtype, dy_dtype, param_dtype, dresidual_out_dtype, dx_dtype, dresidual_dtype;
 };
 // The backward's grid (rows of the partial buffers) for these args on a GPU with num_sms SMs.
 cudaError_t norm_backward_blocks(const NormBackwardArgs& args, int num_sms, int* num_blocks);

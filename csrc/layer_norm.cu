@@ -429,12 +429,11 @@ __global__ void __launch_bounds__(kBwdMaxGroup) norm_bwd_kernel(const NormBackwa
     const int64_t base = row * a.cols;
     float xh[kIters][kVec], gr[kIters][kVec];
     {
-      Pack<T, kVec> raw_x[kIters], raw_dy[kIters];
+      Pack<T, kVec> raw_x[kIters];
       load_tile_raw<T, kVec, kIters>(raw_x, a.x, base, t, G, nvec, valid);
-      load_tile_raw<T, kVec, kIters>(raw_dy, a.dy, base, t, G, nvec, valid);
       convert_tile<T, kVec, kIters>(raw_x, xh);
-      convert_tile<T, kVec, kIters>(raw_dy, gr);
     }
+    load_tile<kVec, kIters>(gr, a.dy, a.dy_dtype, base, t, G, nvec, valid);  // dy may be fp32 beside 16-bit x
     const float mean = (valid && a.mean != nullptr) ? a.mean[row] : 0.f;
     const float rstd = valid ? a.rstd[row] : 0.f;
 #pragma unroll
@@ -525,7 +524,7 @@ __global__ void __launch_bounds__(kLoopedThreads) norm_bwd_looped_kernel(const N
   auto load_all = [&](int64_t base, int64_t j, float mean, float rstd, float (&xh)[kVec], float (&dy)[kVec],
                       float (&w)[kVec]) {
     load_pack<T, kVec>(a.x, base + j * kVec, xh);
-    load_pack<T, kVec>(a.dy, base + j * kVec, dy);
+    load_vec<kVec>(a.dy, a.dy_dtype, base + j * kVec, dy);
     if (a.weight != nullptr) {
       load_vec<kVec>(a.weight, a.param_dtype, j * kVec, w);
     } else {
@@ -1065,7 +1064,7 @@ struct PipeConfig {
 cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
   *out = PipeConfig{0, 0, 0, 0, 0};
   if (a.x_dtype == DType::kFloat32 || bwd_vec(a) != kPipeVec) return cudaSuccess;
-  if (a.dx_dtype != a.x_dtype || a.dresidual != nullptr) return cudaSuccess;
+  if (a.dy_dtype != a.x_dtype || a.dx_dtype != a.x_dtype || a.dresidual != nullptr) return cudaSuccess;
   if (a.dresidual_out != nullptr && a.dresidual_out_dtype != a.x_dtype) return cudaSuccess;
   int device = 0, optin = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
   cudaError_t err = cudaGetDevice(&device);

@@ -259,49 +259,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd(
 // dresidual is empty unless dresidual_dtype differs from dx_dtype (then dx serves for both);
 // dweight/dbias (in weight's dtype) are empty unless asked for.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
-    const at::Tensor& dy_in, const at::Tensor& x_in, const std::optional<at::Tensor>& weight, const at::Tensor& mean,
+    const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight, const at::Tensor& mean,
     const at::Tensor& rstd, const std::optional<at::Tensor>& dresidual_out, bool is_rms, bool want_dweight,
     bool want_dbias, at::ScalarType dx_dtype, std::optional<at::ScalarType> dresidual_dtype,
     std::optional<at::ScalarType> param_dtype) {
   constexpr const char* op = "norm_bwd_cuda";
-  check_cuda(x_in, op, "x");
-  check_contiguous(x_in, op, "x");
-  TORCH_CHECK(x_in.dim() == 2, op, ": x must be 2-D (rows, cols), got shape ", x_in.sizes());
-  check_row_tensor(dy_in, x_in, op, "dy");
-  to_dtype(x_in.scalar_type(), op, "x");
-  to_dtype(dy_in.scalar_type(), op, "dy");
-  const int64_t rows = x_in.size(0), cols = x_in.size(1);
-  check_same_device(rstd, x_in, op, "rstd", "x");
+  check_cuda(x, op, "x");
+  check_contiguous(x, op, "x");
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D (rows, cols), got shape ", x.sizes());
+  check_row_tensor(dy, x, op, "dy");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  check_same_device(rstd, x, op, "rstd", "x");
   TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == rows, op,
               ": rstd must be contiguous float32 of ", rows, " elements");
   if (!is_rms) {
-    check_same_device(mean, x_in, op, "mean", "x");
+    check_same_device(mean, x, op, "mean", "x");
     TORCH_CHECK(mean.scalar_type() == at::kFloat && mean.is_contiguous() && mean.numel() == rows, op,
                 ": mean must be contiguous float32 of ", rows, " elements");
   }
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  // The kernel reads x and dy in one dtype: upcast the 16-bit one when they differ (exact).
-  at::Tensor x = x_in, dy = dy_in;
-  if (x.scalar_type() != dy.scalar_type()) {
-    if (x.scalar_type() == at::kFloat) dy = dy.to(at::kFloat);
-    else if (dy.scalar_type() == at::kFloat) x = x.to(at::kFloat);
-    else { x = x.to(at::kFloat); dy = dy.to(at::kFloat); }
-  }
+  const c10::cuda::CUDAGuard guard(x.device());
   NormBackwardArgs a{};
+  // x and dy each in their own dtype (e.g. fp32 dy from an fp32-out norm beside 16-bit x)
   a.x_dtype = to_dtype(x.scalar_type(), op, "x");
+  a.dy_dtype = to_dtype(dy.scalar_type(), op, "dy");
   a.param_dtype = a.x_dtype;
   if (weight) {
     // Any float dtype: the forward took the weight in its x's dtype or fp32, and x here may be
     // that forward's fp32 residual sum (residual_in_fp32 with 16-bit params). The kernels read
     // the weight in its own dtype.
     const DType w_dtype = to_dtype(weight->scalar_type(), op, "weight");
-    check_param(*weight, x_in, w_dtype, op, "weight");
+    check_param(*weight, x, w_dtype, op, "weight");
     a.param_dtype = w_dtype;
   }
-  const at::ScalarType grad_param_t = param_dtype.value_or(weight ? weight->scalar_type() : x_in.scalar_type());
+  const at::ScalarType grad_param_t = param_dtype.value_or(weight ? weight->scalar_type() : x.scalar_type());
   const DType grad_param_dtype = to_dtype(grad_param_t, op, "param_dtype");
   if (dresidual_out) {
-    check_row_tensor(*dresidual_out, x_in, op, "dresidual_out");
+    check_row_tensor(*dresidual_out, x, op, "dresidual_out");
     a.dresidual_out_dtype = to_dtype(dresidual_out->scalar_type(), op, "dresidual_out");
   }
   a.dx_dtype = to_dtype(dx_dtype, op, "dx_dtype");

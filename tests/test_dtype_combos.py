@@ -14,9 +14,10 @@ dtype when weight and bias differ (the bias is cast to the weight's dtype, and d
 computed in it). Gradients get GRAD_FACTOR; dweight/dbias are checked as column sums, dx and
 dresidual with a floor for the fp32 rounding of their terms (cancellation at small N).
 
-Tiers: the GPU tier runs cuda over the full grid at N = 192, 1000 (not a multiple of 8: the
-kernels' one-element paths) and 2560 (issue 31's), and triton over a pairwise-covering subset
-at those N (every pair of factor values appears; a Triton kernel compiles once per pointer
+Tiers: the GPU tier runs cuda over the full grid at N = 192, 1001 (odd: the kernels'
+one-element paths), 2560 (issue 31's) and 8200 (past the register tile at fp32 x: the looped
+kernels), and triton over a pairwise-covering subset at N = 192, 1000 and 2560 (every pair of
+factor values appears; a Triton kernel compiles once per pointer
 dtype signature, ~300 per (norm, x dtype) for the full grid: AMPKERNELS_COMBOS_FULL=1 runs it
 all). The CPU tier runs the full grid at N = 192 and 1000: the torch backend, and triton under
 TRITON_INTERPRET over the fp16/fp32 combinations.
@@ -215,14 +216,15 @@ def _run_all(backend, combos, ns, rows, device):
 
 # ---------------------------------------------------------------- GPU tier
 
-NS = (192, 1000, 2560)
+CUDA_NS = (192, 1001, 2560, 8200)
+TRITON_NS = (192, 1000, 2560)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_dtype", ALL, ids=lambda d: SHORT[d])
 @pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
 def test_gpu_cuda_every_combo(is_rms, x_dtype):
-    _run_all("cuda", norm_combos(is_rms, x_dtype), NS, 5, "cuda")
+    _run_all("cuda", norm_combos(is_rms, x_dtype), CUDA_NS, 5, "cuda")
 
 
 @pytest.mark.gpu
@@ -230,7 +232,7 @@ def test_gpu_cuda_every_combo(is_rms, x_dtype):
 @pytest.mark.parametrize("is_rms", [False, True], ids=["ln", "rms"])
 def test_gpu_triton_combos(is_rms, x_dtype):
     combos = norm_combos(is_rms, x_dtype)
-    _run_all("triton", combos if FULL else pairwise(combos), NS, 5, "cuda")
+    _run_all("triton", combos if FULL else pairwise(combos), TRITON_NS, 5, "cuda")
 
 
 # Issue 31, as reported: pre-norm with residual_in_fp32 and 16-bit params; the backward raised
