@@ -16,7 +16,10 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/_unsafe_view.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/silu.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
@@ -1734,9 +1737,11 @@ PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
 // under CUDA autocast x cast to its 16-bit dtype and the parameters fp16/bf16/fp32 (cast_to when
 // one differs), without autocast all of one 16-bit dtype; backend None/"auto"/"cuda" with
 // AMPKERNELS_BACKEND unset/auto/cuda, deterministic algorithms off, and "auto" choosing the cuda
-// kernels: the key below not in not_cuda_first (a set the op's Python builds from its table,
-// ops/shared.py gemm_entry_key), buckets = (small_below, medium_below) of M*N*K. Anything else is
-// NotImplemented: the caller then validates and decides in full.
+// kernels: the key below not in not_cuda_first (a dict the op's Python builds from its table,
+// ops/shared.py gemm_entry_key: key -> whether torch comes first), buckets = (small_below,
+// medium_below) of M*N*K. For linear_act a torch-first cell runs here too, as the Python path
+// runs it (F.linear, then the activation, with torch's autograd nodes); the other ops decline
+// it. Anything else is NotImplemented: the caller then validates and decides in full.
 using GemmLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
                                 std::optional<at::ScalarType>, bool, c10::string_view);
 using GemmMLPFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -1750,10 +1755,26 @@ using GemmGatedMLPFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at
                                   const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
                                   std::optional<at::ScalarType>, c10::string_view);
 
+// act(z) as torch computes it (ampkernels.reference.act_fwd), with torch's autograd nodes
+at::Tensor torch_activation(const at::Tensor& z, Activation act) {
+  switch (act) {
+    case Activation::kIdentity: return z;
+    case Activation::kReLU: return at::relu(z);
+    case Activation::kGELU: return at::gelu(z);
+    case Activation::kGELUTanh: return at::gelu(z, "tanh");
+    case Activation::kSiLU: return at::silu(z);
+    case Activation::kSquaredReLU: {
+      const at::Tensor r = at::relu(z);
+      return r * r;
+    }
+  }
+  TORCH_CHECK(false, "torch_activation: unknown activation ", int(act));
+}
+
 PyObject* gemm_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 7 || !PyLong_CheckExact(args[0]) || !PyTuple_CheckExact(args[2]) || !PyLong_CheckExact(args[3]) ||
-      !PyAnySet_Check(args[5]) || !PyTuple_CheckExact(args[6]) || PyTuple_GET_SIZE(args[6]) != 2) {
+      !PyDict_CheckExact(args[5]) || !PyTuple_CheckExact(args[6]) || PyTuple_GET_SIZE(args[6]) != 2) {
     PyErr_SetString(PyExc_TypeError, "gemm_entry(op, x, params, activation, backend, not_cuda_first, buckets)");
     return nullptr;
   }
@@ -1829,6 +1850,7 @@ PyObject* gemm_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
     }
     grad = grad || (at::GradMode::is_enabled() && t->requires_grad());
   }
+  bool run_torch = false;
   if (backend == 1) {  // "auto": the op's table, as ops/shared.py gemm_entry_key encodes it
     const long long small_below = PyLong_AsLongLong(PyTuple_GET_ITEM(args[6], 0));
     const long long medium_below = PyLong_AsLongLong(PyTuple_GET_ITEM(args[6], 1));
@@ -1839,16 +1861,21 @@ PyObject* gemm_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
     const long long key = (((act * 32LL + cc) * 2 + (dt == at::kBFloat16)) * 3 + bucket) * 2 + grad;
     PyObject* key_obj = PyLong_FromLongLong(key);
     if (key_obj == nullptr) return nullptr;
-    const int listed = PySet_Contains(args[5], key_obj);
+    PyObject* torch_first = PyDict_GetItemWithError(args[5], key_obj);  // borrowed
     Py_DECREF(key_obj);
-    if (listed < 0) return nullptr;
-    if (listed) Py_RETURN_NOTIMPLEMENTED;
+    if (torch_first == nullptr && PyErr_Occurred()) return nullptr;
+    if (torch_first != nullptr) {
+      if (op_id != 0 || torch_first != Py_True) Py_RETURN_NOTIMPLEMENTED;
+      run_torch = true;
+    }
   }
   at::Tensor out;
   {
     GilReleased released;
     if (x.scalar_type() != dt) x = x.to(dt);
-    if (op_id == 0) {
+    if (run_torch) {  // autocast casts the parameters in at::linear, as in F.linear
+      out = torch_activation(at::linear(x, *p[0], p[1]), Activation(act));
+    } else if (op_id == 0) {
       static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::linear_act", "")
                                  .typed<GemmLinearFn>();
       out = op.call(x, *p[0], p[1], act, cast_to, false, "cuda");

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ampkernels
 import ampkernels.nn as aknn
@@ -428,14 +429,26 @@ def _gemm_calls(device, pdtype, xdtype):
 def test_gemm_entry_declines_what_it_does_not_run():
     from ampkernels.ops import shared
     x, w = torch.randn(4, 8, dtype=torch.float16), torch.randn(16, 8, dtype=torch.float16)
-    assert shared.gemm_entry(shared.LINEAR_ACT, x, (w, None), 3, None, frozenset(),
-                             (1 << 34, 1 << 37)) is NotImplemented
+    assert shared.gemm_entry(shared.LINEAR_ACT, x, (w, None), 3, None, {}, (1 << 34, 1 << 37)) is NotImplemented
     if not ampkernels.available_backends()["cuda"][0]:
         return
     xc, wc = x.cuda(), w.cuda()
     call = lambda x, params, act=3, backend=None, op=shared.LINEAR_ACT: shared.gemm_entry(  # noqa: E731
-        op, x, params, act, backend, frozenset(), (1 << 34, 1 << 37))
+        op, x, params, act, backend, {}, (1 << 34, 1 << 37))
     assert isinstance(call(xc, (wc, None)), torch.Tensor)
+    with pytest.raises(TypeError):  # the table is a dict (key -> torch first)
+        shared.gemm_entry(shared.LINEAR_ACT, xc, (wc, None), 3, None, frozenset(), (1 << 34, 1 << 37))
+    # a listed cell: linear_act runs a torch-first one itself, any other op or cell declines
+    key = shared.gemm_entry_key(3, torch.cuda.get_device_capability(xc.device)[0], torch.float16, "small", False)
+    table_call = lambda op, params, table: shared.gemm_entry(  # noqa: E731
+        op, xc, params, 3, None, table, (1 << 34, 1 << 37))
+    assert torch.equal(table_call(shared.LINEAR_ACT, (wc, None), {key: True}),
+                       F.gelu(F.linear(xc, wc), approximate="tanh"))
+    assert table_call(shared.LINEAR_ACT, (wc, None), {key: False}) is NotImplemented
+    w2 = torch.randn(5, 16, dtype=torch.float16, device="cuda")
+    for op, params in ((shared.FUSED_MLP, (wc, None, w2, None)), (shared.GATED_LINEAR_ACT, (wc, wc, None, None))):
+        assert isinstance(table_call(op, params, {}), torch.Tensor)
+        assert table_call(op, params, {key: True}) is NotImplemented
 
     class Sub(torch.Tensor):
         pass
@@ -498,6 +511,14 @@ def test_gemm_entry_follows_the_auto_table(monkeypatch):
         kernel = ampkernels.linear_act(x, w, None, "gelu")
         with torch.no_grad():  # inference: cuda first for both
             inference = ampkernels.linear_act(x, w, None, "gelu_tanh")
-    assert taken[0] is NotImplemented and "ampkernels" not in eager.grad_fn.name()
+    # the torch cell runs from the entry too: F.linear + GELU, as the Python path runs it
+    assert taken[0] is eager and eager.grad_fn.name() == "GeluBackward0"
     assert taken[1] is kernel and kernel.grad_fn.name() == "ampkernels::LinearActBackward"
     assert taken[2] is inference
+    monkeypatch.setattr(shared, "_gemm_entry", shared._declined)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = ampkernels.linear_act(x, w, None, "gelu_tanh")
+    assert want.grad_fn.name() == "GeluBackward0" and torch.equal(eager, want)
+    g = torch.randn_like(eager)
+    for a, e in zip(torch.autograd.grad(eager, (x, w), g), torch.autograd.grad(want, (x, w), g)):
+        assert torch.equal(a, e)

@@ -140,7 +140,7 @@ def preference(device, dtype, activation, bucket, training, compiling=False):
     return _AUTO
 
 
-_NOT_CUDA_FIRST = frozenset()  # "auto" runs the cuda kernels first in every cell (gemm_entry's set)
+_NOT_CUDA_FIRST = {}  # "auto" runs the cuda kernels first in every cell (gemm_entry's table)
 
 
 @backends.assume_constant_result

@@ -187,11 +187,12 @@ def shape_bucket(m, n, k):
 
 
 def not_cuda_first(first):
-    """The gemm_entry keys (ops/shared.py) of the table's cells where first(preference) is not
-    "cuda": there the entry declines and the Python path decides. Cells outside the table take
-    _AUTO_DEFAULT, cuda first."""
-    return frozenset(gemm_entry_key(reference.activation_id(act), cc, dtype, bucket, training)
-                     for (cc, dtype, act, bucket, training), pref in _AUTO_TABLE.items() if first(pref) != "cuda")
+    """gemm_entry's table (ops/shared.py): the keys of the cells where first(preference) is not
+    "cuda", each mapped to whether it is "torch". linear_act's entry runs a torch-first cell
+    itself (F.linear + the activation); other cells there, and the other ops, decline and the
+    Python path decides. Cells outside the table take _AUTO_DEFAULT, cuda first."""
+    return {gemm_entry_key(reference.activation_id(act), cc, dtype, bucket, training): first(pref) == "torch"
+            for (cc, dtype, act, bucket, training), pref in _AUTO_TABLE.items() if first(pref) != "cuda"}
 
 
 _NOT_CUDA_FIRST = not_cuda_first(lambda pref: pref[0])

@@ -73,7 +73,8 @@ BUCKETS = ("small", "medium", "large")  # linear_act.shape_bucket's names, in ge
 
 def gemm_entry_key(activation_id, cc_major, dtype, bucket, training):
     """The key under which the extension's gemm_entry (csrc/ops.cpp) finds a call's "auto" cell:
-    an op passes the set of keys whose first preference is not the cuda kernels."""
+    an op passes a dict of the keys whose first preference is not the cuda kernels (the value:
+    whether it is torch)."""
     return (((activation_id * 32 + cc_major) * 2 + (dtype == torch.bfloat16)) * 3 + BUCKETS.index(bucket)) * 2 + \
         int(training)
 
