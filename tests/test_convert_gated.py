@@ -1,5 +1,5 @@
-"""convert() on gated MLPs (SwiGLU / GeGLU): Hugging Face LLaMA, Mistral, Qwen2, Qwen3 and Gemma
-(tiny configs, CPU) and timm's SwiGLU / GluMlp blocks. Each swap keeps the state_dict keys, gives
+"""convert() on gated MLPs (SwiGLU / GeGLU): Hugging Face LLaMA, Mistral, Qwen2, Qwen3, Gemma and
+T5 v1.1 (tiny configs, CPU) and timm's SwiGLU / GluMlp blocks. Each swap keeps the state_dict keys, gives
 the same outputs and the same 5-step training losses, and checkpoints load both ways."""
 import copy
 
@@ -233,3 +233,66 @@ def test_gpu_converted_llama_trains_the_same_with_a_lower_peak(backend):
     theirs, their_peak = run(ref)
     assert ours == pytest.approx(theirs, rel=2e-2), (ours, theirs)
     assert ours_peak < their_peak, (ours_peak / 2**20, their_peak / 2**20)
+
+
+# ------------------------------------------------------------------ T5 v1.1 (T5DenseGatedActDense)
+
+def _t5_gated_dense(dropout=0.1, d_model=64, d_ff=96):
+    from transformers.models.t5.modeling_t5 import T5DenseGatedActDense
+    torch.manual_seed(0)
+    return T5DenseGatedActDense(transformers.T5Config(d_model=d_model, d_ff=d_ff, feed_forward_proj="gated-gelu",
+                                                      dropout_rate=dropout))
+
+
+def test_t5_gated_dense_keeps_dropout_and_the_fp32_wo_cast():
+    # training mode with dropout: the same mask where T5 applies it (after the product)
+    ref = _t5_gated_dense().train()
+    block = torch.nn.Sequential(copy.deepcopy(ref))
+    _, report = aknn.convert(block)
+    assert [r[1:] for r in report.replaced] == [("T5DenseGatedActDense", "FusedT5GatedDense")], str(report)
+    assert block[0].dropout is not None and block.state_dict().keys() == torch.nn.Sequential(ref).state_dict().keys()
+    x = torch.randn(3, 7, 64)
+    torch.manual_seed(5)
+    want = ref(x)
+    torch.manual_seed(5)
+    got = block(x)
+    assert_rel_close(got, want, torch.float32)
+    # a bf16 model whose wo T5 keeps in fp32: h is cast to wo's dtype, as T5 does
+    ref.eval().to(torch.bfloat16).wo.float()
+    block.eval()[0].to(torch.bfloat16).wo.float()
+    xb = x.to(torch.bfloat16)
+    with torch.no_grad():
+        want, got = ref(xb), block(xb)
+    assert got.dtype == want.dtype == torch.float32
+    assert_rel_close(got, want, torch.bfloat16)
+
+
+def test_t5_gated_dense_with_an_unknown_activation_is_left_alone():
+    mlp = _t5_gated_dense()
+    mlp.act = torch.nn.Tanh()
+    _, report = aknn.convert(torch.nn.Sequential(mlp))
+    assert report.replaced == [] and "no fused equivalent" in report.skipped[0].reason, str(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_t5_gated_dense_under_autocast(backend, dtype):
+    # fp32 master weights, odd token count: output and every gradient against T5's own module
+    ref = _t5_gated_dense(dropout=0.0, d_model=256, d_ff=688).cuda()
+    block = torch.nn.Sequential(copy.deepcopy(ref))
+    aknn.convert(block, backend=backend)
+    assert type(block[0]) is aknn.FusedT5GatedDense
+    x = torch.randn(3, 37, 256, device="cuda")
+    outs, grads = [], []
+    for net in (ref, block):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=dtype):
+            y = net(xi)
+        y.float().square().mean().backward()
+        outs.append(y)
+        grads.append([xi.grad] + [p.grad for p in net.parameters()])
+    assert outs[1].dtype == outs[0].dtype
+    assert_rel_close(outs[1].float(), outs[0].float(), dtype)
+    for g_ours, g_ref in zip(grads[1], grads[0]):
+        assert_rel_close(g_ours, g_ref, dtype, factor=4)

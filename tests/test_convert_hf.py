@@ -1,6 +1,8 @@
-"""convert() on Hugging Face models beyond BERT / GPT-2 / LLaMA: T5's and Gemma's norms, the
-non-gated MLPs (T5, GPT-NeoX, Falcon, Phi, CodeGen, GPT-J, GPT-Neo), what is left alone and why,
-and checkpoints (state_dict both ways, save_pretrained / from_pretrained)."""
+"""convert() on Hugging Face models: BERT, GPT-2, LLaMA, Qwen2, T5's and Gemma's norms, T5 v1.1's
+gated MLP, the
+non-gated MLPs (T5, GPT-NeoX, Falcon, Phi, CodeGen, GPT-J, GPT-Neo, and ViT / SigLIP by structure),
+outputs and a few training steps against the unconverted model, what is left alone and why, and
+checkpoints (state_dict both ways, save_pretrained / from_pretrained)."""
 import copy
 
 import pytest
@@ -19,6 +21,9 @@ def _configs():
     return {
         "t5": (T.T5ForConditionalGeneration, T.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                        num_heads=4, feed_forward_proj="relu", dropout_rate=0.0)),
+        "t5_gated": (T.T5ForConditionalGeneration, T.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                             num_heads=4, feed_forward_proj="gated-gelu",
+                                                             dropout_rate=0.0)),
         "gemma": (T.GemmaForCausalLM, T.GemmaConfig(intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
                                                     head_dim=16, **small)),
         "gpt_neox": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig(intermediate_size=128, num_hidden_layers=2,
@@ -36,11 +41,25 @@ def _configs():
                                                         attention_types=[[["global", "local"], 1]],
                                                         max_position_embeddings=64, resid_dropout=0.0,
                                                         embed_dropout=0.0)),
+        "bert": (T.BertForMaskedLM, T.BertConfig(intermediate_size=128, num_hidden_layers=2, hidden_dropout_prob=0.0,
+                                                 attention_probs_dropout_prob=0.0, **small)),
+        "gpt2": (T.GPT2LMHeadModel, T.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "llama": (T.LlamaForCausalLM, T.LlamaConfig(intermediate_size=160, num_hidden_layers=2, num_key_value_heads=2,
+                                                    **small)),
+        "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config(intermediate_size=160, num_hidden_layers=2, num_key_value_heads=2,
+                                                    **small)),
+        "vit": (T.ViTForImageClassification, T.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                          intermediate_size=128, image_size=32, patch_size=8,
+                                                          num_labels=10)),
+        "siglip": (T.SiglipVisionModel, T.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                            num_attention_heads=4, image_size=32, patch_size=8)),
     }
 
 
 EXPECTED = {  # (old class, new class, fused activation) -> count, for the 2-layer configs above
     "t5": {("T5LayerNorm", "RMSNorm", None): 12, ("Linear", "Linear", "relu"): 4},  # enc 2x2+1, dec 2x3+1
+    "t5_gated": {("T5LayerNorm", "RMSNorm", None): 12, ("T5DenseGatedActDense", "FusedT5GatedDense", "gelu_tanh"): 4},
     "gemma": {("GemmaRMSNorm", "OffsetRMSNorm", None): 5, ("GemmaMLP", "FusedGatedMLP", "gelu_tanh"): 2},
     "gpt_neox": {("LayerNorm", "LayerNorm", None): 5, ("Linear", "Linear", "gelu"): 2},
     "falcon": {("LayerNorm", "LayerNorm", None): 3, ("FalconLinear", "Linear", "gelu"): 2},
@@ -48,6 +67,13 @@ EXPECTED = {  # (old class, new class, fused activation) -> count, for the 2-lay
     "codegen": {("LayerNorm", "LayerNorm", None): 3, ("Linear", "Linear", "gelu_tanh"): 2},
     "gptj": {("LayerNorm", "LayerNorm", None): 3, ("Linear", "Linear", "gelu_tanh"): 2},
     "gpt_neo": {("LayerNorm", "LayerNorm", None): 5, ("Linear", "Linear", "gelu_tanh"): 2},
+    "bert": {("LayerNorm", "LayerNorm", None): 6, ("Linear", "Linear", "gelu"): 3},  # + the MLM head's
+    "gpt2": {("LayerNorm", "LayerNorm", None): 5, ("Conv1D", "Conv1DAct", "gelu_tanh"): 2},
+    "llama": {("LlamaRMSNorm", "RMSNorm", None): 5, ("LlamaMLP", "FusedGatedMLP", "silu"): 2},
+    "qwen2": {("Qwen2RMSNorm", "RMSNorm", None): 5, ("Qwen2MLP", "FusedGatedMLP", "silu"): 2},
+    "vit": {("LayerNorm", "LayerNorm", None): 5, ("Linear", "Linear", "gelu"): 2},  # 2 per layer + final
+    # 2 per layer + post_layernorm + the pooling head's norm; the MLP per layer + the head's
+    "siglip": {("LayerNorm", "LayerNorm", None): 6, ("Linear", "Linear", "gelu_tanh"): 3},
 }
 
 
@@ -63,9 +89,29 @@ def _build(name):
 
 
 def _logits(model, ids):
+    if model.main_input_name == "pixel_values":  # vision models: an image made of the ids
+        out = model(pixel_values=_pixels(ids))
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
     if model.config.is_encoder_decoder:
         return model(input_ids=ids, decoder_input_ids=ids).logits
     return model(input_ids=ids).logits
+
+
+def _pixels(ids):
+    g = torch.Generator().manual_seed(int(ids.sum()))
+    return torch.randn(ids.shape[0], 3, 32, 32, generator=g)
+
+
+def _loss(model, ids):
+    """A training loss for each kind of model: the LM loss on ids, or for a vision model a
+    class label (ViT) or the mean square of the features."""
+    if model.main_input_name == "pixel_values":
+        if hasattr(model, "classifier"):
+            return model(pixel_values=_pixels(ids), labels=ids[:, 0] % model.config.num_labels).loss
+        return model(pixel_values=_pixels(ids)).last_hidden_state.square().mean()
+    if model.config.is_encoder_decoder:
+        return model(input_ids=ids, decoder_input_ids=ids, labels=ids).loss
+    return model(input_ids=ids, labels=ids).loss
 
 
 def _counts(report):
@@ -95,6 +141,57 @@ def test_convert_outputs_match(name):
     ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert_rel_close(_logits(model, ids), _logits(ref, ids), torch.float32, factor=10)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_converted_trains_as_the_original(name):
+    """Five AdamW steps, fp32 on the CPU (the ops' torch path), from the same weights and data:
+    the converted model's losses follow the original's."""
+    ref = _build(name).train()
+    model = copy.deepcopy(ref)
+    aknn.convert(model)
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(5))
+    curves = []
+    for m in (ref, model):
+        torch.manual_seed(1)  # the same dropout draws, where a config keeps any
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        curve = []
+        for _ in range(5):
+            loss = _loss(m, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            curve.append(loss.item())
+        curves.append(torch.tensor(curve))
+    assert curves[1][-1] < curves[1][0], curves  # it learns
+    torch.testing.assert_close(curves[1], curves[0], rtol=1e-4, atol=1e-5)
+
+
+def test_mlp_found_by_structure_is_probed():
+    from transformers.models.vit.modeling_vit import ViTConfig
+    mlp_cls = type(T.ViTForImageClassification(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                                          intermediate_size=32, image_size=16,
+                                                          patch_size=8)).vit.layers[0].mlp)
+
+    class Scaled(mlp_cls):  # the activation's input is not fc1's output: fusing would change it
+        def forward(self, x):
+            return self.fc2(self.activation_fn(0.5 * self.fc1(x)))
+    Scaled.__module__ = mlp_cls.__module__
+    mlp = Scaled(ViTConfig(hidden_size=16, intermediate_size=32))
+    _, report = aknn.convert(torch.nn.Sequential(mlp))
+    assert report.replaced == [] and type(mlp.fc1) is torch.nn.Linear
+    assert report.skipped[0].path == "0" and report.skipped[0].reason.startswith("probe: forward differs"), \
+        str(report)
+
+    class Unknown(torch.nn.Module):  # fc1 + activation_fn outside transformers: not recognised
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.activation_fn, self.fc2 = torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.fc2(self.activation_fn(self.fc1(x)))
+    _, report = aknn.convert(torch.nn.Sequential(Unknown()))
+    assert report.replaced == [] and report.skipped == []
 
 
 def test_gemma_norm_keeps_the_raw_weight_and_gemmas_dtypes():

@@ -6,12 +6,13 @@
     FusedMLP                a Sequential(Linear, activation, Linear) with a fused forward
     FusedGatedMLP           LlamaMLP's gate_proj/up_proj/down_proj with a fused gated forward
     FusedSwiGLU, FusedGluMlp  timm's SwiGLU / GluMlp (their state_dict keys), fused
+    FusedT5GatedDense       Hugging Face's T5DenseGatedActDense (its state_dict keys), the gated part fused
     LinearCrossEntropy      an nn.Linear LM head whose forward(x, target) is the loss (no logits)
     convert(model)          swaps norms and Linear->activation pairs in place, sharing weights
 """
 from .convert import ConvertReport, convert
-from .modules import (FusedGatedMLP, FusedGluMlp, FusedMLP, FusedSwiGLU, LayerNorm, Linear, LinearCrossEntropy,
-                      OffsetRMSNorm, RMSNorm)
+from .modules import (FusedGatedMLP, FusedGluMlp, FusedMLP, FusedSwiGLU, FusedT5GatedDense, LayerNorm, Linear,
+                      LinearCrossEntropy, OffsetRMSNorm, RMSNorm)
 
 __all__ = ["LayerNorm", "RMSNorm", "OffsetRMSNorm", "Linear", "FusedMLP", "FusedGatedMLP", "FusedSwiGLU", "FusedGluMlp",
-           "LinearCrossEntropy", "convert", "ConvertReport"]
+           "FusedT5GatedDense", "LinearCrossEntropy", "convert", "ConvertReport"]

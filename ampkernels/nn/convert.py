@@ -14,14 +14,17 @@ Recognised (anything else is left untouched):
 - Hugging Face MLPs without a gate (T5DenseActDense and its copies, GPT-NeoX, Falcon, Phi,
   CodeGen, GPT-J, GPT-Neo; _HF_PLAIN_MLPS): projection (nn.Linear, a subclass such as FalconLinear,
   or Conv1D) + activation fused once the probe shows the whole MLP unchanged; an activation with
-  no fused equivalent (BLOOM's BloomGelu, a Tanh) is reported. In an nn.Sequential, a Dropout
+  no fused equivalent (BLOOM's BloomGelu, a Tanh) is reported. Other Hugging Face modules with an
+  nn.Linear fc1 and a known activation_fn (ViT and SigLIP MLPs) or an nn.Linear dense and a known
+  intermediate_act_fn (BertIntermediate's copies) are fused the same way, probed. In an nn.Sequential, a Dropout
   between a Linear and its activation is reported (not fused).
 - timm's Mlp and subclasses (fc1 -> act -> drop1 -> norm -> fc2): fc1 + act -> ampkernels.nn.Linear(activation=...),
   act -> nn.Identity (drop1 and norm come after the activation and stay as they are).
 - Gated MLPs (SwiGLU / GeGLU), whole: LLaMA-style MLPs (recognised by structure: exactly
   gate_proj, up_proj, down_proj nn.Linears and an act_fn of SiLU / GELU / tanh GELU, as Hugging Face's
   LlamaMLP, MistralMLP, Qwen2MLP, Qwen3MLP, GemmaMLP, ...) -> ampkernels.nn.FusedGatedMLP; timm's
-  SwiGLU -> FusedSwiGLU and GluMlp -> FusedGluMlp (identity norm and p=0 dropout before fc2 only).
+  SwiGLU -> FusedSwiGLU and GluMlp -> FusedGluMlp (identity norm and p=0 dropout before fc2 only); Hugging
+  Face's T5DenseGatedActDense (T5 v1.1, flan-T5, mT5) -> FusedT5GatedDense (its dropout and wo stay as they are).
   Each keeps the original's children, so state_dict keys are unchanged; each swap is probed.
 
 The probe: a norm, a timm Mlp or a gated MLP is only swapped after a copy of it (fp32, random parameters,
@@ -43,7 +46,8 @@ import torch
 
 from ..ops.gated_linear_act import ACTIVATIONS as GATED_ACTIVATIONS
 from ..ops.linear_act import linear_act
-from .modules import FusedGatedMLP, FusedGluMlp, FusedSwiGLU, LayerNorm, Linear, OffsetRMSNorm, RMSNorm
+from .modules import (FusedGatedMLP, FusedGluMlp, FusedSwiGLU, FusedT5GatedDense, LayerNorm, Linear, OffsetRMSNorm,
+                      RMSNorm)
 
 
 def activation_name(module):
@@ -379,11 +383,27 @@ _HF_PLAIN_MLPS = {
 }
 
 
+# Other Hugging Face MLPs, by structure: (projection attribute, activation attribute) children of
+# these names, the projection a plain nn.Linear and the activation one activation_name knows --
+# ViTMLP / SiglipMLP-style fc1 -> activation_fn -> fc2, ViTIntermediate-style
+# dense -> intermediate_act_fn. Fused only when the probe shows the module's output unchanged.
+_HF_MLP_STRUCTURES = (("fc1", "activation_fn"), ("dense", "intermediate_act_fn"))
+
+
 def _hf_plain_mlp(m):
-    """(projection attribute, activation attribute) if `m` is one of _HF_PLAIN_MLPS, else None."""
+    """(projection attribute, activation attribute) if `m` is one of _HF_PLAIN_MLPS or has the
+    structure of _HF_MLP_STRUCTURES (not yet fused), else None."""
     if not type(m).__module__.startswith("transformers."):
         return None
-    return _HF_PLAIN_MLPS.get(type(m).__name__)
+    name = type(m).__name__
+    if name in _HF_PLAIN_MLPS:
+        return _HF_PLAIN_MLPS[name]
+    if any(name == known for known, _, _ in _HF_MLPS):
+        return None  # fused by name, before this
+    for proj, act in _HF_MLP_STRUCTURES:
+        if type(m._modules.get(proj)) is torch.nn.Linear and activation_name(m._modules.get(act)) is not None:
+            return proj, act
+    return None
 
 
 def _projection_input_features(proj):
@@ -563,9 +583,18 @@ def _is_p0_dropout(m):
 def _gated_builder(m):
     """None if `m` is no gated MLP convert knows; else (builder, in_features) or the reason (a str)
     to leave it. builder(module, backend) returns the fused module sharing module's children."""
-    if isinstance(m, (FusedGatedMLP, FusedSwiGLU, FusedGluMlp)):
+    if isinstance(m, (FusedGatedMLP, FusedSwiGLU, FusedGluMlp, FusedT5GatedDense)):
         return None
     linear = lambda *ms: all(type(c) is torch.nn.Linear for c in ms)  # noqa: E731
+    # Hugging Face's T5DenseGatedActDense and its copies (mT5, UMT5, ...), by structure
+    if set(m._modules) == {"wi_0", "wi_1", "wo", "dropout", "act"} and type(m).__module__.startswith("transformers."):
+        if not linear(m.wi_0, m.wi_1, m.wo):
+            return "gated MLP whose projections are not nn.Linear"
+        activation = _gated_activation(m.act)
+        if activation is None:
+            return f"gated MLP with activation {_qualified_name(type(m.act))}: no fused equivalent"
+        return (lambda old, backend: FusedT5GatedDense(old.wi_0, old.wi_1, old.wo, old.dropout, activation,
+                                                       backend=backend), m.wi_0.in_features)
     # by structure (HF LlamaMLP and its copies, or anyone's module shaped so): the probe checks the forward
     if set(m._modules) == {"gate_proj", "up_proj", "down_proj", "act_fn"}:
         if not linear(m.gate_proj, m.up_proj, m.down_proj):

@@ -15,7 +15,7 @@ from .. import reference
 from ..ops import layer_norm as _ln
 from ..ops.layer_norm import layer_norm, rms_norm
 from ..ops.gated_linear_act import ACTIVATIONS as GATED_ACTIVATIONS
-from ..ops.gated_linear_act import gated_mlp
+from ..ops.gated_linear_act import gated_linear_act, gated_mlp
 from ..ops.linear_act import linear_act
 from ..ops.linear_cross_entropy import REDUCTIONS, linear_cross_entropy
 from ..ops.mlp import fused_mlp
@@ -233,6 +233,30 @@ class FusedSwiGLU(torch.nn.Module):
         g, u, d = self.fc1_g, self.fc1_x, self.fc2
         return self.drop2(gated_mlp(x, g.weight, u.weight, g.bias, u.bias, d.weight, d.bias, self.activation,
                                     backend=self.backend))
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
+
+
+class FusedT5GatedDense(torch.nn.Module):
+    """Hugging Face's T5DenseGatedActDense (T5 v1.1, flan-T5, mT5, UMT5: wi_0, wi_1, wo, dropout,
+    act; its state_dict keys): wo(dropout(act(wi_0(x)) * wi_1(x))), the gated part as one fused
+    GEMM (ampkernels.gated_linear_act). The dropout and T5's cast of h to wo's dtype (wo kept in
+    fp32) stay where T5 has them. convert() builds it from T5's module, sharing its children."""
+
+    def __init__(self, wi_0, wi_1, wo, dropout, activation="gelu_tanh", *, backend=None):
+        super().__init__()
+        _check_gated_activation(activation)
+        self.wi_0, self.wi_1, self.wo, self.dropout = wi_0, wi_1, wo, dropout
+        self.activation, self.backend = activation, backend
+
+    def forward(self, x):
+        h = self.dropout(gated_linear_act(x, self.wi_0.weight, self.wi_1.weight, self.wi_0.bias, self.wi_1.bias,
+                                          self.activation, backend=self.backend))
+        w = self.wo.weight
+        if isinstance(w, torch.Tensor) and h.dtype != w.dtype and w.dtype != torch.int8:
+            h = h.to(w.dtype)  # as T5 does
+        return self.wo(h)
 
     def extra_repr(self):
         return f"activation={self.activation!r}"
