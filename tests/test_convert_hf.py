@@ -1,8 +1,7 @@
-"""convert() on Hugging Face models: BERT, GPT-2, LLaMA, Qwen2, T5's and Gemma's norms, T5 v1.1's
-gated MLP, the
-non-gated MLPs (T5, GPT-NeoX, Falcon, Phi, CodeGen, GPT-J, GPT-Neo, and ViT / SigLIP by structure),
-outputs and a few training steps against the unconverted model, what is left alone and why, and
-checkpoints (state_dict both ways, save_pretrained / from_pretrained)."""
+"""convert() on Hugging Face models: BERT, GPT-2, LLaMA, Qwen2, T5 (and T5 v1.1's gated MLP),
+Gemma, the non-gated MLPs (GPT-NeoX, Falcon, Phi, CodeGen, GPT-J, GPT-Neo, and ViT / SigLIP by
+structure): outputs and five training steps against the unconverted model, what is left alone and
+why, and checkpoints (state_dict both ways, save_pretrained / from_pretrained)."""
 import copy
 
 import pytest
@@ -168,18 +167,21 @@ def test_converted_trains_as_the_original(name):
 
 
 def test_mlp_found_by_structure_is_probed():
-    from transformers.models.vit.modeling_vit import ViTConfig
-    mlp_cls = type(T.ViTForImageClassification(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
-                                                          intermediate_size=32, image_size=16,
-                                                          patch_size=8)).vit.layers[0].mlp)
+    # HF ViT's MLP module, whichever shape this transformers gives it (ViTMLP: fc1 -> activation_fn
+    # -> fc2; older: ViTIntermediate: dense -> intermediate_act_fn)
+    cfg = T.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32, image_size=16,
+                      patch_size=8)
+    mlp, proj, act = next((m, p, a) for m in T.ViTModel(cfg).modules() for p, a in (("fc1", "activation_fn"),
+                                                                                    ("dense", "intermediate_act_fn"))
+                          if p in m._modules and a in m._modules)
 
-    class Scaled(mlp_cls):  # the activation's input is not fc1's output: fusing would change it
+    class Scaled(type(mlp)):  # the activation's input is not the projection's output: fusing would change it
         def forward(self, x):
-            return self.fc2(self.activation_fn(0.5 * self.fc1(x)))
-    Scaled.__module__ = mlp_cls.__module__
-    mlp = Scaled(ViTConfig(hidden_size=16, intermediate_size=32))
+            return getattr(self, act)(0.5 * getattr(self, proj)(x))
+    Scaled.__module__ = type(mlp).__module__
+    mlp = Scaled(cfg)
     _, report = aknn.convert(torch.nn.Sequential(mlp))
-    assert report.replaced == [] and type(mlp.fc1) is torch.nn.Linear
+    assert report.replaced == [] and type(getattr(mlp, proj)) is torch.nn.Linear
     assert report.skipped[0].path == "0" and report.skipped[0].reason.startswith("probe: forward differs"), \
         str(report)
 
