@@ -194,6 +194,12 @@ def test_mlp_found_by_structure_is_probed():
             return self.fc2(self.activation_fn(self.fc1(x)))
     _, report = aknn.convert(torch.nn.Sequential(Unknown()))
     assert report.replaced == [] and report.skipped == []
+    # a layer that holds fc1 / activation_fn beside its attention (BART's) is no MLP: not probed, untouched
+    bart = T.BartForConditionalGeneration(T.BartConfig(vocab_size=V, d_model=16, encoder_layers=1, decoder_layers=1,
+                                                       encoder_attention_heads=4, decoder_attention_heads=4,
+                                                       encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32))
+    _, report = aknn.convert(bart, norms=False)
+    assert report.replaced == [] and report.skipped == [], str(report)
 
 
 def test_gemma_norm_keeps_the_raw_weight_and_gemmas_dtypes():

@@ -383,11 +383,13 @@ _HF_PLAIN_MLPS = {
 }
 
 
-# Other Hugging Face MLPs, by structure: (projection attribute, activation attribute) children of
-# these names, the projection a plain nn.Linear and the activation one activation_name knows --
-# ViTMLP / SiglipMLP-style fc1 -> activation_fn -> fc2, ViTIntermediate-style
-# dense -> intermediate_act_fn. Fused only when the probe shows the module's output unchanged.
-_HF_MLP_STRUCTURES = (("fc1", "activation_fn"), ("dense", "intermediate_act_fn"))
+# Other Hugging Face MLPs, by structure: modules whose children are these and nothing else (an
+# MLP, called on one tensor, which the probe can run whole; not a layer that also holds attention),
+# the projection a plain nn.Linear and the activation one activation_name knows -- ViTMLP /
+# SiglipMLP-style fc1 -> activation_fn -> fc2, ViTIntermediate-style dense -> intermediate_act_fn.
+# Fused only when the probe shows the module's output unchanged.
+_HF_MLP_STRUCTURES = (("fc1", "activation_fn", {"fc1", "activation_fn", "fc2", "dropout"}),
+                      ("dense", "intermediate_act_fn", {"dense", "intermediate_act_fn", "dropout"}))
 
 
 def _hf_plain_mlp(m):
@@ -400,8 +402,9 @@ def _hf_plain_mlp(m):
         return _HF_PLAIN_MLPS[name]
     if any(name == known for known, _, _ in _HF_MLPS):
         return None  # fused by name, before this
-    for proj, act in _HF_MLP_STRUCTURES:
-        if type(m._modules.get(proj)) is torch.nn.Linear and activation_name(m._modules.get(act)) is not None:
+    for proj, act, children in _HF_MLP_STRUCTURES:
+        if set(m._modules) <= children and type(m._modules.get(proj)) is torch.nn.Linear and \
+                activation_name(m._modules.get(act)) is not None:
             return proj, act
     return None
 
