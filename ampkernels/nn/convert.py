@@ -15,8 +15,9 @@ Recognised (anything else is left untouched):
   CodeGen, GPT-J, GPT-Neo; _HF_PLAIN_MLPS): projection (nn.Linear, a subclass such as FalconLinear,
   or Conv1D) + activation fused once the probe shows the whole MLP unchanged; an activation with
   no fused equivalent (BLOOM's BloomGelu, a Tanh) is reported. Other Hugging Face modules with an
-  nn.Linear fc1 and a known activation_fn (ViT and SigLIP MLPs) or an nn.Linear dense and a known
-  intermediate_act_fn (BertIntermediate's copies) are fused the same way, probed. In an
+  nn.Linear fc1 and a known activation_fn (ViT and SigLIP MLPs), an nn.Linear dense and a known
+  intermediate_act_fn (BertIntermediate's copies) or an nn.Linear c_fc and a known act (Starcoder2,
+  GPT-BigCode), and no other children, are fused the same way, probed. In an
   nn.Sequential, a Dropout between a Linear and its activation is reported (not fused).
 - timm's Mlp and subclasses (fc1 -> act -> drop1 -> norm -> fc2): fc1 + act -> ampkernels.nn.Linear(activation=...),
   act -> nn.Identity (drop1 and norm come after the activation and stay as they are).
@@ -386,10 +387,12 @@ _HF_PLAIN_MLPS = {
 # Other Hugging Face MLPs, by structure: modules whose children are these and nothing else (an
 # MLP, called on one tensor, which the probe can run whole; not a layer that also holds attention),
 # the projection a plain nn.Linear and the activation one activation_name knows -- ViTMLP /
-# SiglipMLP-style fc1 -> activation_fn -> fc2, ViTIntermediate-style dense -> intermediate_act_fn.
-# Fused only when the probe shows the module's output unchanged.
+# SiglipMLP-style fc1 -> activation_fn -> fc2, ViTIntermediate-style dense -> intermediate_act_fn,
+# Starcoder2MLP / GPTBigCodeMLP-style c_fc -> act -> c_proj. Fused only when the probe shows the
+# module's output unchanged.
 _HF_MLP_STRUCTURES = (("fc1", "activation_fn", {"fc1", "activation_fn", "fc2", "dropout"}),
-                      ("dense", "intermediate_act_fn", {"dense", "intermediate_act_fn", "dropout"}))
+                      ("dense", "intermediate_act_fn", {"dense", "intermediate_act_fn", "dropout"}),
+                      ("c_fc", "act", {"c_fc", "act", "c_proj", "dropout"}))
 
 
 def _hf_plain_mlp(m):
