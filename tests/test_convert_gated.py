@@ -1,5 +1,5 @@
-"""convert() on gated MLPs (SwiGLU / GeGLU): Hugging Face LLaMA, Mistral, Qwen2, Qwen3, Gemma and
-T5 v1.1 (tiny configs, CPU) and timm's SwiGLU / GluMlp blocks. Each swap keeps the state_dict keys, gives
+"""convert() on gated MLPs (SwiGLU / GeGLU): Hugging Face LLaMA, Mistral, Qwen2, Qwen3, Gemma,
+T5 v1.1 and Phi-3 (tiny configs, CPU) and timm's SwiGLU / GluMlp blocks. Each swap keeps the state_dict keys, gives
 the same outputs and the same 5-step training losses, and checkpoints load both ways."""
 import copy
 
@@ -274,16 +274,14 @@ def test_t5_gated_dense_with_an_unknown_activation_is_left_alone():
     assert report.replaced == [] and "no fused equivalent" in report.skipped[0].reason, str(report)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_t5_gated_dense_under_autocast(backend, dtype):
-    # fp32 master weights, odd token count: output and every gradient against T5's own module
-    ref = _t5_gated_dense(dropout=0.0, d_model=256, d_ff=688).cuda()
+def _matches_under_autocast(ref, features, backend, dtype, new_cls):
+    """Convert a copy of `ref` on `backend` (it must become `new_cls`); under autocast with fp32
+    master weights and an odd token count of x (..., features), its output and every gradient
+    match ref's."""
     block = torch.nn.Sequential(copy.deepcopy(ref))
     aknn.convert(block, backend=backend)
-    assert type(block[0]) is aknn.FusedT5GatedDense
-    x = torch.randn(3, 37, 256, device="cuda")
+    assert type(block[0]) is new_cls
+    x = torch.randn(3, 37, features, device="cuda")
     outs, grads = [], []
     for net in (ref, block):
         xi = x.clone().requires_grad_(True)
@@ -296,3 +294,47 @@ def test_gpu_t5_gated_dense_under_autocast(backend, dtype):
     assert_rel_close(outs[1].float(), outs[0].float(), dtype)
     for g_ours, g_ref in zip(grads[1], grads[0]):
         assert_rel_close(g_ours, g_ref, dtype, factor=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_t5_gated_dense_under_autocast(backend, dtype):
+    _matches_under_autocast(_t5_gated_dense(dropout=0.0, d_model=256, d_ff=688).cuda(), 256, backend, dtype,
+                            aknn.FusedT5GatedDense)
+
+
+# ------------------------------------------------------------------ packed gate_up_proj (Phi-3, GLM)
+
+def _phi3_mlp(hidden=64, inter=96):
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+    torch.manual_seed(0)
+    return Phi3MLP(transformers.Phi3Config(hidden_size=hidden, intermediate_size=inter))
+
+
+def test_packed_gated_mlp_up_first_fails_the_probe():
+    mlp_cls = type(_phi3_mlp())
+
+    class UpFirst(mlp_cls):  # the same children, the halves the other way round: not what the fused module computes
+        def forward(self, x):
+            up, gate = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * self.activation_fn(gate))
+    UpFirst.__module__ = mlp_cls.__module__
+    torch.manual_seed(0)
+    mlp = UpFirst(transformers.Phi3Config(hidden_size=64, intermediate_size=96))
+    _, report = aknn.convert(torch.nn.Sequential(mlp))
+    assert report.replaced == [] and report.skipped[0].reason.startswith("probe: forward differs"), str(report)
+    packed = _phi3_mlp()
+    block = torch.nn.Sequential(copy.deepcopy(packed))
+    aknn.convert(block)
+    assert type(block[0]) is aknn.FusedPackedGatedMLP and block[0].gate_up_proj is not packed.gate_up_proj
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert_rel_close(block(x), packed(x), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_packed_gated_mlp_under_autocast(backend, dtype):
+    _matches_under_autocast(_phi3_mlp(hidden=256, inter=688).cuda(), 256, backend, dtype, aknn.FusedPackedGatedMLP)

@@ -1,4 +1,4 @@
-"""convert() on Hugging Face models: BERT, GPT-2, LLaMA, Qwen2, T5 (and T5 v1.1's gated MLP),
+"""convert() on Hugging Face models: BERT, GPT-2, LLaMA, Qwen2, Phi-3, T5 (and T5 v1.1's gated MLP),
 Gemma, the non-gated MLPs (GPT-NeoX, Falcon, Phi, CodeGen, GPT-J, GPT-Neo, and ViT, SigLIP,
 Starcoder2, GPT-BigCode by structure): outputs and five training steps against the unconverted model, what is left alone and
 why, and checkpoints (state_dict both ways, save_pretrained / from_pretrained)."""
@@ -48,6 +48,8 @@ def _configs():
                                                     **small)),
         "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config(intermediate_size=160, num_hidden_layers=2, num_key_value_heads=2,
                                                     **small)),
+        "phi3": (T.Phi3ForCausalLM, T.Phi3Config(intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
+                                                 pad_token_id=0, **small)),
         "starcoder2": (T.Starcoder2ForCausalLM, T.Starcoder2Config(intermediate_size=128, num_hidden_layers=2,
                                                                    num_key_value_heads=2, **small)),
         "gpt_bigcode": (T.GPTBigCodeForCausalLM, T.GPTBigCodeConfig(vocab_size=V, n_embd=64, n_layer=2, n_head=4,
@@ -75,6 +77,7 @@ EXPECTED = {  # (old class, new class, fused activation) -> count, for the 2-lay
     "gpt2": {("LayerNorm", "LayerNorm", None): 5, ("Conv1D", "Conv1DAct", "gelu_tanh"): 2},
     "llama": {("LlamaRMSNorm", "RMSNorm", None): 5, ("LlamaMLP", "FusedGatedMLP", "silu"): 2},
     "qwen2": {("Qwen2RMSNorm", "RMSNorm", None): 5, ("Qwen2MLP", "FusedGatedMLP", "silu"): 2},
+    "phi3": {("Phi3RMSNorm", "RMSNorm", None): 5, ("Phi3MLP", "FusedPackedGatedMLP", "silu"): 2},
     "starcoder2": {("LayerNorm", "LayerNorm", None): 5, ("Linear", "Linear", "gelu_tanh"): 2},
     "gpt_bigcode": {("LayerNorm", "LayerNorm", None): 5, ("Linear", "Linear", "gelu_tanh"): 2},
     "vit": {("LayerNorm", "LayerNorm", None): 5, ("Linear", "Linear", "gelu"): 2},  # 2 per layer + final

@@ -7,12 +7,13 @@
     FusedGatedMLP           LlamaMLP's gate_proj/up_proj/down_proj with a fused gated forward
     FusedSwiGLU, FusedGluMlp  timm's SwiGLU / GluMlp (their state_dict keys), fused
     FusedT5GatedDense       Hugging Face's T5DenseGatedActDense (its state_dict keys), the gated part fused
+    FusedPackedGatedMLP     Phi-3's / GLM's gate_up_proj + down_proj gated MLP (their state_dict keys), fused
     LinearCrossEntropy      an nn.Linear LM head whose forward(x, target) is the loss (no logits)
     convert(model)          swaps norms and Linear->activation pairs in place, sharing weights
 """
 from .convert import ConvertReport, convert
-from .modules import (FusedGatedMLP, FusedGluMlp, FusedMLP, FusedSwiGLU, FusedT5GatedDense, LayerNorm, Linear,
-                      LinearCrossEntropy, OffsetRMSNorm, RMSNorm)
+from .modules import (FusedGatedMLP, FusedGluMlp, FusedMLP, FusedPackedGatedMLP, FusedSwiGLU, FusedT5GatedDense,
+                      LayerNorm, Linear, LinearCrossEntropy, OffsetRMSNorm, RMSNorm)
 
 __all__ = ["LayerNorm", "RMSNorm", "OffsetRMSNorm", "Linear", "FusedMLP", "FusedGatedMLP", "FusedSwiGLU", "FusedGluMlp",
-           "FusedT5GatedDense", "LinearCrossEntropy", "convert", "ConvertReport"]
+           "FusedT5GatedDense", "FusedPackedGatedMLP", "LinearCrossEntropy", "convert", "ConvertReport"]

@@ -25,7 +25,8 @@ Recognised (anything else is left untouched):
   gate_proj, up_proj, down_proj nn.Linears and an act_fn of SiLU / GELU / tanh GELU, as Hugging Face's
   LlamaMLP, MistralMLP, Qwen2MLP, Qwen3MLP, GemmaMLP, ...) -> ampkernels.nn.FusedGatedMLP; timm's
   SwiGLU -> FusedSwiGLU and GluMlp -> FusedGluMlp (identity norm and p=0 dropout before fc2 only); Hugging
-  Face's T5DenseGatedActDense (T5 v1.1, flan-T5, mT5) -> FusedT5GatedDense (its dropout and wo stay as they are).
+  Face's T5DenseGatedActDense (T5 v1.1, flan-T5, mT5) -> FusedT5GatedDense (its dropout and wo stay as they are);
+  a packed gate_up_proj + down_proj + activation_fn (Phi-3, GLM) -> FusedPackedGatedMLP.
   Each keeps the original's children, so state_dict keys are unchanged; each swap is probed.
 
 The probe: a norm, a timm Mlp or a gated MLP is only swapped after a copy of it (fp32, random parameters,
@@ -47,8 +48,8 @@ import torch
 
 from ..ops.gated_linear_act import ACTIVATIONS as GATED_ACTIVATIONS
 from ..ops.linear_act import linear_act
-from .modules import (FusedGatedMLP, FusedGluMlp, FusedSwiGLU, FusedT5GatedDense, LayerNorm, Linear, OffsetRMSNorm,
-                      RMSNorm)
+from .modules import (FusedGatedMLP, FusedGluMlp, FusedPackedGatedMLP, FusedSwiGLU, FusedT5GatedDense, LayerNorm,
+                      Linear, OffsetRMSNorm, RMSNorm)
 
 
 def activation_name(module):
@@ -589,7 +590,7 @@ def _is_p0_dropout(m):
 def _gated_builder(m):
     """None if `m` is no gated MLP convert knows; else (builder, in_features) or the reason (a str)
     to leave it. builder(module, backend) returns the fused module sharing module's children."""
-    if isinstance(m, (FusedGatedMLP, FusedSwiGLU, FusedGluMlp, FusedT5GatedDense)):
+    if isinstance(m, (FusedGatedMLP, FusedSwiGLU, FusedGluMlp, FusedT5GatedDense, FusedPackedGatedMLP)):
         return None
     linear = lambda *ms: all(type(c) is torch.nn.Linear for c in ms)  # noqa: E731
     # Hugging Face's T5DenseGatedActDense and its copies (mT5, UMT5, ...), by structure
@@ -601,6 +602,17 @@ def _gated_builder(m):
             return f"gated MLP with activation {_qualified_name(type(m.act))}: no fused equivalent"
         return (lambda old, backend: FusedT5GatedDense(old.wi_0, old.wi_1, old.wo, old.dropout, activation,
                                                        backend=backend), m.wi_0.in_features)
+    # a packed gate_up_proj, gate first (HF Phi3MLP, GlmMLP, or anyone's module shaped so), by structure
+    if set(m._modules) == {"gate_up_proj", "down_proj", "activation_fn"}:
+        if not linear(m.gate_up_proj, m.down_proj):
+            return "gated MLP whose projections are not nn.Linear"
+        if m.gate_up_proj.out_features % 2:
+            return "gate_up_proj with an odd number of outputs: no gate and up halves"
+        activation = _gated_activation(m.activation_fn)
+        if activation is None:
+            return f"gated MLP with activation {_qualified_name(type(m.activation_fn))}: no fused equivalent"
+        return (lambda old, backend: FusedPackedGatedMLP(old.gate_up_proj, old.down_proj, activation, backend=backend),
+                m.gate_up_proj.in_features)
     # by structure (HF LlamaMLP and its copies, or anyone's module shaped so): the probe checks the forward
     if set(m._modules) == {"gate_proj", "up_proj", "down_proj", "act_fn"}:
         if not linear(m.gate_proj, m.up_proj, m.down_proj):

@@ -262,6 +262,30 @@ class FusedT5GatedDense(torch.nn.Module):
         return f"activation={self.activation!r}"
 
 
+class FusedPackedGatedMLP(torch.nn.Module):
+    """down_proj(act(g) * u) with [g | u] = gate_up_proj(x): the gated MLP of Phi-3 / Phi-4 and GLM,
+    with their children and state_dict keys (gate_up_proj with 2 x hidden outputs, gate first;
+    down_proj). g and u are the halves of gate_up_proj's one weight, adjacent in memory: the cuda
+    backend runs them as one GEMM (as FusedGatedMLP with packed weights). convert() builds it from
+    such a module, sharing its children."""
+
+    def __init__(self, gate_up_proj, down_proj, activation="silu", *, backend=None):
+        super().__init__()
+        _check_gated_activation(activation)
+        if gate_up_proj.out_features % 2:
+            raise ValueError(f"gate_up_proj must have an even number of outputs, got {gate_up_proj.out_features}")
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+        self.activation, self.backend = activation, backend
+
+    def forward(self, x):
+        gu, d = self.gate_up_proj, self.down_proj
+        w, b = gu.weight.chunk(2, 0), (None, None) if gu.bias is None else gu.bias.chunk(2, 0)
+        return gated_mlp(x, w[0], w[1], b[0], b[1], d.weight, d.bias, self.activation, backend=self.backend)
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
+
+
 class FusedGluMlp(torch.nn.Module):
     """timm's GluMlp (fc1 with 2 x hidden outputs, chunked in two; fc2; drop2; its state_dict keys)
     with an identity norm and no dropout before fc2. gate_last: the gate is fc1's second half
