@@ -17,8 +17,8 @@ Recognised (anything else is left untouched):
   no fused equivalent (BLOOM's BloomGelu, a Tanh) is reported. Other Hugging Face modules with an
   nn.Linear fc1 and a known activation_fn (ViT and SigLIP MLPs), an nn.Linear dense and a known
   intermediate_act_fn (BertIntermediate's copies) or an nn.Linear c_fc and a known act (Starcoder2,
-  GPT-BigCode), and no other children, are fused the same way, probed. In an
-  nn.Sequential, a Dropout between a Linear and its activation is reported (not fused).
+  GPT-BigCode), and no other children, are fused the same way, probed. In an nn.Sequential, a
+  Dropout between a Linear and its activation is reported (not fused).
 - timm's Mlp and subclasses (fc1 -> act -> drop1 -> norm -> fc2): fc1 + act -> ampkernels.nn.Linear(activation=...),
   act -> nn.Identity (drop1 and norm come after the activation and stay as they are).
 - Gated MLPs (SwiGLU / GeGLU), whole: LLaMA-style MLPs (recognised by structure: exactly
