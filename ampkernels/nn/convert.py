@@ -587,39 +587,47 @@ def _is_p0_dropout(m):
     return type(m) is torch.nn.Identity or (type(m) is torch.nn.Dropout and m.p == 0)
 
 
+def _gated_parts(projections, act, shape_reason=None):
+    """(activation, None) for a gated MLP whose projections are all plain nn.Linear and whose act
+    has a fused equivalent, else (None, the reason to leave it); shape_reason: a further reason,
+    checked after the projections' type."""
+    if not all(type(c) is torch.nn.Linear for c in projections):
+        return None, "gated MLP whose projections are not nn.Linear"
+    if shape_reason:
+        return None, shape_reason
+    activation = _gated_activation(act)
+    if activation is None:
+        return None, f"gated MLP with activation {_qualified_name(type(act))}: no fused equivalent"
+    return activation, None
+
+
 def _gated_builder(m):
     """None if `m` is no gated MLP convert knows; else (builder, in_features) or the reason (a str)
     to leave it. builder(module, backend) returns the fused module sharing module's children."""
     if isinstance(m, (FusedGatedMLP, FusedSwiGLU, FusedGluMlp, FusedT5GatedDense, FusedPackedGatedMLP)):
         return None
-    linear = lambda *ms: all(type(c) is torch.nn.Linear for c in ms)  # noqa: E731
     # Hugging Face's T5DenseGatedActDense and its copies (mT5, UMT5, ...), by structure
     if set(m._modules) == {"wi_0", "wi_1", "wo", "dropout", "act"} and type(m).__module__.startswith("transformers."):
-        if not linear(m.wi_0, m.wi_1, m.wo):
-            return "gated MLP whose projections are not nn.Linear"
-        activation = _gated_activation(m.act)
-        if activation is None:
-            return f"gated MLP with activation {_qualified_name(type(m.act))}: no fused equivalent"
+        activation, reason = _gated_parts((m.wi_0, m.wi_1, m.wo), m.act)
+        if reason:
+            return reason
         return (lambda old, backend: FusedT5GatedDense(old.wi_0, old.wi_1, old.wo, old.dropout, activation,
                                                        backend=backend), m.wi_0.in_features)
     # a packed gate_up_proj, gate first (HF Phi3MLP, GlmMLP, or anyone's module shaped so), by structure
     if set(m._modules) == {"gate_up_proj", "down_proj", "activation_fn"}:
-        if not linear(m.gate_up_proj, m.down_proj):
-            return "gated MLP whose projections are not nn.Linear"
-        if m.gate_up_proj.out_features % 2:
-            return "gate_up_proj with an odd number of outputs: no gate and up halves"
-        activation = _gated_activation(m.activation_fn)
-        if activation is None:
-            return f"gated MLP with activation {_qualified_name(type(m.activation_fn))}: no fused equivalent"
+        odd = getattr(m.gate_up_proj, "out_features", 0) % 2
+        activation, reason = _gated_parts((m.gate_up_proj, m.down_proj), m.activation_fn,
+                                          "gate_up_proj with an odd number of outputs: no gate and up halves" if odd
+                                          else None)
+        if reason:
+            return reason
         return (lambda old, backend: FusedPackedGatedMLP(old.gate_up_proj, old.down_proj, activation, backend=backend),
                 m.gate_up_proj.in_features)
     # by structure (HF LlamaMLP and its copies, or anyone's module shaped so): the probe checks the forward
     if set(m._modules) == {"gate_proj", "up_proj", "down_proj", "act_fn"}:
-        if not linear(m.gate_proj, m.up_proj, m.down_proj):
-            return "gated MLP whose projections are not nn.Linear"
-        activation = _gated_activation(m.act_fn)
-        if activation is None:
-            return f"gated MLP with activation {_qualified_name(type(m.act_fn))}: no fused equivalent"
+        activation, reason = _gated_parts((m.gate_proj, m.up_proj, m.down_proj), m.act_fn)
+        if reason:
+            return reason
 
         def build(old, backend):
             new = FusedGatedMLP(1, 1, 1, activation, device="meta", backend=backend)
@@ -630,7 +638,7 @@ def _gated_builder(m):
         return None
     swiglu = any(t.__name__ == "SwiGLU" for t in type(m).__mro__ if t.__module__.startswith("timm."))
     fcs = (m.fc1_g, m.fc1_x, m.fc2) if swiglu else (m.fc1, m.fc2)
-    if not linear(*fcs):
+    if not all(type(c) is torch.nn.Linear for c in fcs):
         return "gated MLP whose projections are not nn.Linear (use_conv=True or custom)"
     activation = _gated_activation(m.act)
     if activation is None:
