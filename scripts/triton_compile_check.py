@@ -201,13 +201,14 @@ def launch_everything(max_shared):
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device=meta)
     gelu = ACTIVATIONS.index("gelu")
     for dtype in (torch.bfloat16, torch.float16):
-        # linear_cross_entropy's row pass: long rows (4096 lanes, 8 warps) and short ones, with and
-        # without smoothing / gradient, one scale or one per row
+        # linear_cross_entropy's row passes: long rows (4096 lanes, 8 warps) and short ones, with and
+        # without smoothing / gradient / lse, one scale or one per row; the vocabulary pass's blocks
         t, loss = empty(64, dtype=torch.int64), empty(64, dtype=torch.float32)
         for v, eps, grad, per_row in ((50257, 0.1, True, False), (128256, 0.0, True, True), (1000, 0.0, False, False),
                                       (7, 0.1, True, True)):
-            tlce.rows_pass(empty(64, v, dtype=dtype), t, loss, empty(64 if per_row else 1, dtype=torch.float32),
-                           -100, eps, grad)
+            scale = empty(64 if per_row else 1, dtype=torch.float32)
+            tlce.rows_pass(empty(64, v, dtype=dtype), t, loss, scale, -100, eps, grad, None if per_row else loss)
+            tlce.grad_pass(empty(64, min(v, 2048), dtype=dtype), t, loss, scale, 64, v, -100, eps)
         # linear_act, every autotune config: erf GELU with bias and pre stored (the heaviest epilogue)
         x, w, bias, y = empty(256, 512, dtype=dtype), empty(384, 512, dtype=dtype), empty(384, dtype=dtype), \
             empty(256, 384, dtype=dtype)

@@ -106,17 +106,57 @@ def test_odd_shapes_and_one_token(small_chunks, backend, shape):
         _check(x, w, b, t, backend, reduction=reduction, label_smoothing=0.1)
 
 
-@pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
+@pytest.mark.parametrize("backend", ["torch", "torch-bf16"] + CPU_TRITON)
 @pytest.mark.parametrize("reduction", lce.REDUCTIONS)
 def test_padded_vocabulary(small_chunks, monkeypatch, backend, reduction):
     # the GEMMs over a vocabulary padded with zero weight rows (CUDA pads to a multiple of 64;
-    # forced here on CPU, with a pad of 1 to 71 columns): the same loss and gradients
+    # forced here on CPU, with a pad of 1 to 71 columns): the same loss and gradients. fp32
+    # weights: one cast and padded copy; 16-bit: the aligned rows as they are and a padded copy
+    # of the rest (V = 37: none aligned; V = 300: 256 rows and a tail), in both passes
     for pad in (1, 71):
         monkeypatch.setattr(lce, "padded_vocab", lambda v, x, pad=pad: v + pad)
-        dtype = torch.float16 if backend == "triton" else torch.float32
-        for bias in (True, False):
-            x, w, b, t = _inputs(13, 16, 37, dtype, "cpu", bias=bias)
-            _check(x, w, b, t, backend, reduction=reduction, label_smoothing=0.1)
+        dtype = {"triton": torch.float16, "torch-bf16": torch.bfloat16}.get(backend, torch.float32)
+        for bias, v in ((True, 37), (False, 37), (True, 300)):
+            x, w, b, t = _inputs(13, 16, v, dtype, "cpu", bias=bias)
+            _check(x, w, b, t, backend.split("-")[0], reduction=reduction, label_smoothing=0.1)
+
+
+def test_weight_parts():
+    w, b = randn(300, 8, dtype=torch.bfloat16), randn(300)
+    parts = lce._weight_parts(w, b, torch.bfloat16, 320)
+    assert [(c0, c1) for c0, c1, _, _ in parts] == [(0, 256), (256, 320)]
+    assert parts[0][2].data_ptr() == w.data_ptr()  # the aligned rows: not copied
+    assert torch.equal(parts[1][2][:44], w[256:]) and not parts[1][2][44:].any()
+    assert parts[0][3].dtype == parts[1][3].dtype == torch.bfloat16 and not parts[1][3][44:].any()
+    # fp32 master weights: one copy, cast and padded
+    (c0, c1, wp, bp), = lce._weight_parts(w.float(), None, torch.bfloat16, 320)
+    assert (c0, c1, wp.shape, wp.dtype, bp) == (0, 320, (320, 8), torch.bfloat16, None)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
+@pytest.mark.parametrize("reduction", lce.REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_weights_vocabulary_pass(small_chunks, backend, reduction, dtype):
+    # 16-bit weights: dW from the vocabulary pass, here in blocks of 64 columns (5 blocks of a
+    # 300-word vocabulary, the last one 44 wide), with and without bias and smoothing
+    assert lce.vocab_block_cols(19, 24, 300, lce._CHUNK_MIN_ELEMS) == 64
+    if backend == "triton":
+        dtype = torch.float16
+    for bias, ls in ((True, 0.1), (False, 0.0)):
+        x, w, b, t = _inputs(19, 24, 300, dtype, "cpu", bias=bias)
+        _check(x, w, b, t, backend, reduction=reduction, label_smoothing=ls)
+
+
+def test_vocab_block_cols():
+    floor = lce._CHUNK_MIN_ELEMS
+    # GPT-2's head: blocks of 384 columns (6 MiB of bf16 logits), Llama-3's: 2048 (32 MiB)
+    assert lce.vocab_block_cols(8192, 768, 50257, floor) == 384
+    assert lce.vocab_block_cols(8192, 4096, 128256, floor) == 2048
+    # a few tokens: the whole vocabulary at once; no tokens: one empty block
+    assert lce.vocab_block_cols(8, 768, 50257, floor) == 50257 and lce.vocab_block_cols(0, 8, 7, floor) == 7
+    for m, k, v in ((4096, 512, 32000), (100000, 64, 1000), (300, 8, 129)):
+        c = lce.vocab_block_cols(m, k, v, floor)
+        assert c == v or (c % 64 == 0 and (c == 64 or m * c <= max(m * k // 2, floor // 32))), (m, k, v, c)
 
 
 @pytest.mark.parametrize("backend", ["torch"] + CPU_TRITON)
@@ -347,6 +387,46 @@ def test_triton_rows_pass_matches_torch_rows_pass():
     assert torch.equal(zp, outs[1][0]) and (big[:, 300:] == 7).all()
 
 
+@needs_triton
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU tier covers triton on CUDA tensors")
+def test_triton_lse_and_grad_pass_match_torch():
+    _lse_and_grad_pass_match_torch("triton", "cpu", torch.float16, (300,))
+
+
+def _lse_and_grad_pass_match_torch(backend, device, dtype, vocabs):
+    """The token pass's lse, and the vocabulary pass over column blocks (one of them holding
+    targets, one past them, an odd-width last one, in a wider padded buffer) against the torch
+    passes and against the token pass's own gradient."""
+    for v in vocabs:
+        n = 9
+        z = randn(n, v, dtype=dtype, device=device, scale=4)
+        t = torch.randint(0, v, (n,), device=device)
+        t[4] = -100
+        t[0], t[1] = 0, v - 1
+        for scale in (torch.rand(n, device=device) + 0.5, torch.tensor([1.5], device=device)):
+            full = {}
+            for b in ("torch", backend):
+                zz, loss, lse = z.clone(), torch.empty(n, device=device), torch.full((n,), 7.0, device=device)
+                lce.rows_pass(zz, t, loss, scale, -100, 0.1, True, b, lse=lse)
+                full[b] = (zz, loss, lse)
+            torch.testing.assert_close(full[backend][1], full["torch"][1], rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(full[backend][2], full["torch"][2], rtol=2e-5, atol=2e-5)
+            assert full[backend][2][4] == 0
+            torch.testing.assert_close(full["torch"][2][:4], torch.logsumexp(z[:4].float(), -1), rtol=1e-5, atol=1e-5)
+            lse = full["torch"][2]
+            cut = [0, min(64, v), v // 2, v]
+            for c0, c1 in zip(cut, cut[1:]):
+                if c1 <= c0:
+                    continue
+                big = torch.full((n, c1 - c0 + 64), 5.0, dtype=dtype, device=device)
+                zp = big[:, :c1 - c0]
+                zp.copy_(z[:, c0:c1])
+                lce.grad_pass(zp, t, lse, scale, c0, v, -100, 0.1, backend)
+                torch.testing.assert_close(zp.float(), full["torch"][0][:, c0:c1].float(), rtol=1.6e-2, atol=1e-6)
+                assert (big[:, c1 - c0:] == 5).all()
+                assert not zp[4].any()
+
+
 # ---------------------------------------------------------------- CPU tier: opcheck, compile
 
 def _opcheck(backend, dtype, device):
@@ -359,6 +439,12 @@ def _opcheck(backend, dtype, device):
         dl = torch.rand(7 if reduction == "none" else (), device=device)
         torch.library.opcheck(bwd.default, (dl, x, w, b, t, -100, 0.1, reduction, True, True, True, 150, backend))
     torch.library.opcheck(fwd, (x, w, b, t, -100, 0.0, "mean", False, False, False, 1 << 25, backend))
+    if lce.wgrad_by_vocab(w):
+        lse = fwd(x, w, b, t, -100, 0.1, "mean", False, True, False, 150, backend)[4]
+        assert lse.shape == (7,) and lse.dtype == torch.float32
+        for scale in (torch.rand(1, device=device), torch.rand(7, device=device)):
+            torch.library.opcheck(torch.ops.ampkernels.linear_cross_entropy_wgrad.default,
+                                  (x, w, b, t, lse, scale, -100, 0.1, 150, backend))
     # the autograd registered on the op. mean/sum: its backward scales the gradients the forward
     # returned in place, which the functional API never hands out; AOT dispatch of the bare op,
     # whose callers keep them, refuses that (the compiled API is checked in test_compile_fullgraph_cpu)
@@ -370,6 +456,7 @@ def _opcheck(backend, dtype, device):
 
 def test_opcheck_cpu_torch():
     _opcheck("torch", torch.float32, "cpu")
+    _opcheck("torch", torch.bfloat16, "cpu")
     # fp32 master weights with 16-bit x (what autocast passes): cast inside the op
     x, w, b, t = _inputs(7, 16, 24, torch.float32, "cpu")
     fwd = torch.ops.ampkernels.linear_cross_entropy_fwd.default
@@ -393,10 +480,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ampkernels.triton import linear_cross_entropy as tk
 fn = tk._lce_rows_kernel
-sig = {"z_ptr": "*bf16", "ld": "i32", "t_ptr": "*i64", "loss_ptr": "*fp32", "scale_ptr": "*fp32", "V": "i32",
-       "ignore_index": "i32", "eps": "fp32", **{k: "constexpr" for k in ("SCALE_PER_ROW", "WRITE_GRAD", "SMOOTH", "BLOCK")}}
-ce = {"SCALE_PER_ROW": False, "WRITE_GRAD": True, "SMOOTH": False, "BLOCK": 4096}
-attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in ("z_ptr", "t_ptr", "loss_ptr", "scale_ptr", "ld", "V")}
+sig = {"z_ptr": "*bf16", "ld": "i32", "t_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32", "scale_ptr": "*fp32",
+       "V": "i32", "ignore_index": "i32", "eps": "fp32",
+       **{k: "constexpr" for k in ("SCALE_PER_ROW", "WRITE_GRAD", "SMOOTH", "STORE_LSE", "BLOCK")}}
+ce = {"SCALE_PER_ROW": False, "WRITE_GRAD": True, "SMOOTH": False, "STORE_LSE": True, "BLOCK": 4096}
+attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]]
+         for k in ("z_ptr", "t_ptr", "loss_ptr", "lse_ptr", "scale_ptr", "ld", "V")}
 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 8})
 print(k.asm["ptx"])
@@ -522,6 +611,13 @@ def test_gpu_rows_pass_agrees_with_torch(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_lse_and_grad_pass_agree_with_torch(backend, dtype):
+    _lse_and_grad_pass_match_torch(backend, "cuda", dtype, (7, 1000, 50257, 128256))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 def test_gpu_autocast_master_weights_and_grad_scaler(backend, dtype, bias):
     torch.manual_seed(0)
@@ -625,6 +721,41 @@ def test_gpu_master_weights_memory():
     extra = vp * k * 2 + lce.chunk_rows(m, k, v, lce._CHUNK_MIN_ELEMS) * vp * 2
     assert peak <= grads + extra + (8 << 20), (peak, grads, extra)
     assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_16bit_weights_memory(backend):
+    # GPT-2's head with bf16 weights: no fp32 accumulator and no padded copy of the weight, beyond
+    # the gradients (bf16 dW, dx) one chunk of logits in the forward, one vocabulary block in
+    # backward, and a 64-row padded copy of the odd vocabulary's last rows
+    k, v, m = 768, 50257, 8192
+    torch.manual_seed(0)
+    w = (torch.randn(v, k, device="cuda") / math.sqrt(k)).bfloat16().requires_grad_()
+    x = torch.randn(m, k, device="cuda").bfloat16().requires_grad_()
+    t = torch.randint(0, v, (m,), device="cuda")
+
+    def step():
+        x.grad = w.grad = None
+        ampkernels.linear_cross_entropy(x, w, t, backend=backend).backward()
+
+    step()
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    vp = lce.padded_vocab(v, x)
+    chunk = lce.chunk_rows(m, k, v, lce._CHUNK_MIN_ELEMS) * vp * 2
+    block = m * lce.padded_vocab(lce.vocab_block_cols(m, k, v, lce._CHUNK_MIN_ELEMS), x) * 2
+    grads = v * k * 2 + m * k * 2
+    assert peak <= grads + max(chunk, block) + (4 << 20), (peak, grads, chunk, block)
+    assert w.grad.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    F.cross_entropy(F.linear(xr, wr), t).backward()
+    assert_rel_close(w.grad, wr.grad.double(), torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -8,14 +8,26 @@ at a time. Per chunk: logits = x_c W^T (+ b) on cuBLAS, then ONE pass per row (t
 kernel): the fp32 log-sum-exp over the 16-bit logits (online max/sum over blocks of the row),
 the row's loss (label smoothing, ignore_index), and -- when gradients are wanted -- the
 gradient softmax - (1-eps)*onehot - eps/V written in place over the logits; then
-dx_c = dlogits @ W and dW += dlogits^T @ x_c (accumulated in fp32), db += column sums (fp32).
+dx_c = dlogits @ W and db += column sums (fp32).
 
-Training with reduction "mean"/"sum": the gradients are computed in the forward (3 GEMMs in
-all, none in backward) in "sum" units -- not divided by the number of valid tokens, so that
-fp16 gradients of 1/n-scaled probabilities do not underflow -- and backward scales them by
-grad_output (GradScaler's scale) / n_valid in place. reduction="none" (a gradient per token)
-computes the loss alone in the forward and recomputes the logits in backward (4 GEMMs), with
-the per-token scale applied inside the row pass. Inference computes the loss alone.
+The weight gradient, by the weight's dtype:
+- fp32 (master weights under autocast): dW += dlogits^T @ x_c per chunk, accumulated by cuBLAS
+  into the fp32 gradient itself (3 GEMMs in all; the accumulator is the gradient, no extra).
+- 16-bit: an fp32 accumulator would be a weight-sized buffer the 16-bit gradient does not need
+  (154 MiB at GPT-2's head, 2 GiB at Llama-3's), and accumulating in 16 bits chunk after chunk
+  rounds once per chunk. Instead the token pass stores each row's lse, and the vocabulary pass
+  recomputes the logits a block of vocabulary columns at a time for all tokens,
+  dlogits_v = softmax_v - onehot_v from the stored lse, and writes dW_v = dlogits_v^T @ x in one
+  GEMM (fp32 accumulation, one rounding, as eager's): 4 GEMMs, extra memory one column block.
+  An odd vocabulary's last rows run through a small zero-padded copy, not a padded copy of W.
+
+Training with reduction "mean"/"sum": the gradients are computed in the forward (the vocabulary
+pass in backward, where grad_output is known) in "sum" units -- not divided by the number of
+valid tokens, so that fp16 gradients of 1/n-scaled probabilities do not underflow -- and
+backward scales them by grad_output (GradScaler's scale) / n_valid in place. reduction="none"
+(a gradient per token) computes the loss alone in the forward and recomputes the logits in
+backward, with the per-token scale applied inside the row pass. Inference computes the loss
+alone.
 
 Backends for the row pass: "cuda" (csrc/linear_cross_entropy.cu), "triton"
 (ampkernels/triton/linear_cross_entropy.py), "torch" (the same chunked algorithm in torch ops:
@@ -24,7 +36,8 @@ every backend.
 
 One op, eager and compiled: the custom op `ampkernels::linear_cross_entropy_fwd` with its fake
 and its autograd registered on it (torch.library `register_autograd`); reduction "none"'s
-backward is the custom op `ampkernels::linear_cross_entropy_bwd`. Under torch.compile the op
+backward is the custom op `ampkernels::linear_cross_entropy_bwd`, the vocabulary pass
+`ampkernels::linear_cross_entropy_wgrad`. Under torch.compile the op
 stays opaque: inductor would otherwise build the whole logits tensor. A custom op costs the
 host ~10 us a call more than an autograd Function; this one runs once a step.
 
@@ -84,47 +97,72 @@ def _acc_dtype(dtype):
 
 # ---------------------------------------------------------------- the row pass
 
-def _rows_torch(z, target, loss, scale, ignore_index, eps, write_grad):
-    """The row pass in torch ops, a block of rows at a time (fp32 temporaries bounded)."""
+def _rows_torch(z, target, loss, scale, ignore_index, eps, write_grad, lse_out=None, lse_in=None, col0=0,
+                vocab=None):
+    """The row passes in torch ops, a block of rows at a time (fp32 temporaries bounded). With
+    lse_in: the vocabulary pass (z: columns col0.. of a vocabulary of `vocab`; no loss)."""
     from ..reference import row_blocks
     ct = _acc_dtype(z.dtype)
-    v = z.shape[1]
+    w = z.shape[1]
+    v = w if vocab is None else vocab
     for s, e in row_blocks(z):
         zb = z[s:e].to(ct)
         t = target[s:e]
         valid = t != ignore_index
-        tc = torch.where(valid & (t >= 0) & (t < v), t, 0)
-        lse = torch.logsumexp(zb, -1)
-        zt = zb.gather(1, tc[:, None]).squeeze(1)
-        zt = torch.where((t >= 0) & (t < v), zt, float("nan"))  # a target out of range: a NaN loss
-        row = lse - (1.0 - eps) * zt
-        if eps:
-            row = row - (eps / v) * zb.sum(-1)
-        loss[s:e] = torch.where(valid, row, 0.0)
+        tc = t - col0
+        hit = valid & (tc >= 0) & (tc < w)
+        if lse_in is None:
+            tc = torch.where(hit, tc, 0)
+            lse = torch.logsumexp(zb, -1)
+            zt = zb.gather(1, tc[:, None]).squeeze(1)
+            zt = torch.where(hit, zt, float("nan"))  # a target out of range: a NaN loss
+            row = lse - (1.0 - eps) * zt
+            if eps:
+                row = row - (eps / v) * zb.sum(-1)
+            loss[s:e] = torch.where(valid, row, 0.0)
+            if lse_out is not None:
+                lse_out[s:e] = torch.where(valid, lse, 0.0)
+        else:
+            lse = lse_in[s:e].to(ct)
         if write_grad:
             g = torch.exp(zb - lse[:, None])
             if eps:
                 g -= eps / v
-            g.scatter_add_(1, tc[:, None], torch.full_like(zt[:, None], -(1.0 - eps)))
+            g.scatter_add_(1, torch.where(hit, tc, 0)[:, None], hit.to(ct)[:, None] * -(1.0 - eps))
             sc = scale[s:e] if scale.numel() > 1 else scale
             g *= sc.to(ct).reshape(-1, 1)
             g.masked_fill_(~valid[:, None], 0.0)  # ignored rows: 0 whatever the scale (as torch)
             z[s:e].copy_(g)
 
 
-def rows_pass(z, target, loss, scale, ignore_index, eps, write_grad, backend):
-    """Over each row of the logits chunk z (n, V): loss[i] = the row's cross-entropy (0 for an
-    ignored row) and, if write_grad, z[i] = scale * d loss[i] / d z[i] in place. scale: fp32,
-    (1,) or (n,)."""
+def rows_pass(z, target, loss, scale, ignore_index, eps, write_grad, backend, lse=None):
+    """The token pass over each row of the logits chunk z (n, V): loss[i] = the row's
+    cross-entropy (0 for an ignored row), lse[i] its log-sum-exp when lse is given, and, if
+    write_grad, z[i] = scale * d loss[i] / d z[i] in place. scale: fp32, (1,) or (n,)."""
     if z.shape[0] == 0:
         return
     if backend == "cuda":
-        torch.ops.ampkernels.linear_cross_entropy_rows_cuda_(z, target, loss, scale, ignore_index, eps, write_grad)
+        torch.ops.ampkernels.linear_cross_entropy_rows_cuda_(z, target, loss, scale, ignore_index, eps, write_grad, lse)
     elif backend == "triton":
         from ..triton import linear_cross_entropy as tk
-        tk.rows_pass(z, target, loss, scale, ignore_index, eps, write_grad)
+        tk.rows_pass(z, target, loss, scale, ignore_index, eps, write_grad, lse)
     else:
-        _rows_torch(z, target, loss, scale, ignore_index, eps, write_grad)
+        _rows_torch(z, target, loss, scale, ignore_index, eps, write_grad, lse_out=lse)
+
+
+def grad_pass(z, target, lse, scale, col0, vocab, ignore_index, eps, backend):
+    """The vocabulary pass: z (n, width) holds the logits of columns [col0, col0 + width) of
+    every row (vocabulary `vocab`); overwritten in place by scale * their gradient, from the
+    rows' lse (the token pass's). Ignored rows: 0."""
+    if z.shape[0] == 0 or z.shape[1] == 0:
+        return
+    if backend == "cuda":
+        torch.ops.ampkernels.linear_cross_entropy_grad_cuda_(z, target, lse, scale, col0, vocab, ignore_index, eps)
+    elif backend == "triton":
+        from ..triton import linear_cross_entropy as tk
+        tk.grad_pass(z, target, lse, scale, col0, vocab, ignore_index, eps)
+    else:
+        _rows_torch(z, target, None, scale, ignore_index, eps, True, lse_in=lse, col0=col0, vocab=vocab)
 
 
 # ---------------------------------------------------------------- GEMM pieces
@@ -171,6 +209,21 @@ def _padded_param(t, n, dtype):
     return out
 
 
+def _weight_parts(weight, bias, dtype, vp):
+    """The weight (and bias) in `dtype` as [(c0, c1, w, b)]: row blocks whose logits fill columns
+    c0..c1 of a vp-wide chunk, zero rows past the vocabulary. fp32 (master) weights, whose
+    gradient is accumulated over one padded weight: one copy, cast and padded at once. 16-bit
+    weights: the aligned rows as they are and, for an odd vocabulary, its last rows in a small
+    padded copy (not a padded copy of the whole weight)."""
+    v = weight.shape[0]
+    if not wgrad_by_vocab(weight) or weight.dtype != dtype or vp == v:
+        return [(0, vp, _padded_param(weight, vp, dtype), _padded_param(bias, vp, dtype))]
+    va = v // _VOCAB_ALIGN * _VOCAB_ALIGN
+    parts = [(0, va, weight[:va], None if bias is None else _padded_param(bias[:va], va, dtype))] if va else []
+    tail_b = None if bias is None else _padded_param(bias[va:], vp - va, dtype)
+    return parts + [(va, vp, _padded_param(weight[va:], vp - va, dtype), tail_b)]
+
+
 def _logits(xc, weight, bias, out):
     if bias is None:
         return torch.mm(xc, weight.t(), out=out)
@@ -192,12 +245,20 @@ def _empty(x):
     return x.new_empty(0)
 
 
-def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need, floor, backend):
-    """The pass both custom ops make over the tokens, chunk by chunk: the logits GEMM, the row
-    pass (the row losses into `losses`, which holds all M rows or one chunk's scratch, and the
-    gradient scaled by `scale`, (1,) or (M,), in place when any gradient is needed), then dx, dw
-    (fp32 accumulation) and db. weight and bias in x's dtype or fp32 (master weights under
-    autocast: cast here). Returns (dx, dw, db), empty (0,) tensors where not needed."""
+def wgrad_by_vocab(weight):
+    """Whether the weight gradient comes from the vocabulary pass (16-bit weights) rather than
+    an fp32 accumulator over the token chunks (fp32/fp64 weights: the accumulator is the
+    gradient)."""
+    return weight.dtype in _KERNEL_DTYPES
+
+
+def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need, floor, backend, lse=None):
+    """The token pass both custom ops make, chunk by chunk: the logits GEMM, the row pass (the
+    row losses into `losses`, which holds all M rows or one chunk's scratch, each row's lse into
+    `lse` when given, and the gradient scaled by `scale`, (1,) or (M,), in place when any
+    gradient is needed), then dx, dw (fp32 accumulation; fp32 weights only) and db. weight and
+    bias in x's dtype or fp32 (master weights under autocast: cast here). Returns (dx, dw, db),
+    empty (0,) tensors where not needed."""
     need_dx, need_dw, need_db = need
     m, k = x.shape
     v = weight.shape[0]
@@ -210,16 +271,24 @@ def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need,
     # columns of the logits are 0, never touched by the row pass, so they add nothing to dx and
     # only to dw's padding rows, which are cut off
     vp = padded_vocab(v, x)
-    weight, bias = _padded_param(weight, vp, x.dtype), _padded_param(bias, vp, x.dtype)
+    parts = _weight_parts(weight, bias, x.dtype, vp)
+    assert not need_dw or len(parts) == 1, "the fp32 accumulator runs over one padded weight"
     buf = x.new_empty(min(rows, m), vp)
     for s in range(0, m, rows):
         e = min(s + rows, m)
-        zp = _logits(x[s:e], weight, bias, buf[:e - s])
+        zp = buf[:e - s]
+        for c0, c1, w, b in parts:
+            _logits(x[s:e], w, b, zp[:, c0:c1])
         z = zp[:, :v]
         rows_pass(z, target[s:e], losses[s:e] if losses.numel() == m else losses[:e - s],
-                  scale[s:e] if scale.numel() > 1 else scale, ignore_index, eps, any(need), backend)
+                  scale[s:e] if scale.numel() > 1 else scale, ignore_index, eps, any(need), backend,
+                  None if lse is None else lse[s:e])
         if need_dx:
-            torch.mm(zp, weight, out=dx[s:e])
+            for i, (c0, c1, w, _) in enumerate(parts):
+                if i == 0:
+                    torch.mm(zp[:, c0:c1], w, out=dx[s:e])
+                else:
+                    dx[s:e].addmm_(zp[:, c0:c1], w)
         if need_dw:
             dw = _accumulate_wgrad(dw, zp, x[s:e])
         if need_db:
@@ -229,30 +298,74 @@ def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need,
     return dx, dw[:v] if need_dw else _empty(x), db
 
 
+# A block of the vocabulary pass holds max(tokens * hidden / 2, floor / 32) logits: half of x's
+# size (at GPT-2's head 8192 x 384, 6 MiB; Liger-Kernel holds 12 MiB beyond its gradients there),
+# at least 1 Mi elements (4 Mi under torch.compile) so that a few tokens take few blocks.
+_VOCAB_BLOCK_DIVISOR = 32
+
+
+def vocab_block_cols(m, k, v, floor):
+    """Columns of one block of the vocabulary pass: a multiple of 64, or the whole vocabulary."""
+    if m == 0:
+        return v
+    cols = max(m * k // 2, floor // _VOCAB_BLOCK_DIVISOR) // m
+    return v if cols >= v else max(_VOCAB_ALIGN, cols // _VOCAB_ALIGN * _VOCAB_ALIGN)
+
+
+def _vocab_wgrad(x, weight, bias, target, lse, scale, ignore_index, eps, floor, backend):
+    """The weight gradient in the weight's (16-bit) dtype, a block of vocabulary rows at a time:
+    the block's logits for all tokens, their gradient from the rows' lse (scaled by `scale`, (1,)
+    or (M,)), dW_block = dlogits^T @ x in one GEMM."""
+    m, k = x.shape
+    v = weight.shape[0]
+    dw = torch.empty_like(weight)
+    if m == 0:
+        return dw.zero_()
+    cols = vocab_block_cols(m, k, v, floor)
+    buf = x.new_empty(m, padded_vocab(cols, x))
+    for c0 in range(0, v, cols):
+        c1 = min(c0 + cols, v)
+        width = c1 - c0
+        wp = padded_vocab(width, x)  # the last block of an odd vocabulary: a small padded copy
+        w = _padded_param(weight[c0:c1], wp, x.dtype)
+        b = None if bias is None else _padded_param(bias[c0:c1], wp, x.dtype)
+        z = _logits(x, w, b, buf[:, :wp])[:, :width]
+        grad_pass(z, target, lse, scale, c0, v, ignore_index, eps, backend)
+        torch.mm(z.t(), x, out=dw[c0:c1])
+    return dw
+
+
 # ---------------------------------------------------------------- forward custom op
 
 def fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
              chunk_floor, backend):
-    """(loss, dx, dw, db). The gradients (each an empty (0,) tensor unless asked for, and for
+    """(loss, dx, dw, db, lse). The gradients (each an empty (0,) tensor unless asked for, and for
     reduction "none", whose backward recomputes them) are those of the SUM of the per-token
-    losses: dx in x's dtype, dw and db in fp32 (fp64 for fp64 x)."""
-    need = (need_dx, need_dw, need_db) if reduction != "none" else (False, False, False)
+    losses: dx in x's dtype, dw and db in fp32 (fp64 for fp64 x). With 16-bit weights dw is left
+    to the vocabulary pass in backward and lse (M,) fp32 is returned for it (else empty)."""
+    if reduction == "none":
+        need_dx = need_dw = need_db = False
+    by_vocab = need_dw and wgrad_by_vocab(weight)
     with torch.autocast(x.device.type, enabled=False):  # out= GEMMs; x already in the compute dtype
-        losses = torch.empty(x.shape[0], dtype=_acc_dtype(x.dtype), device=x.device)
+        acc = _acc_dtype(x.dtype)
+        losses = torch.empty(x.shape[0], dtype=acc, device=x.device)
+        lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if by_vocab else _empty(x)
         dx, dw, db = _chunk_loop(x, weight, bias, target, losses, torch.ones(1, dtype=torch.float32, device=x.device),
-                                 ignore_index, label_smoothing, need, chunk_floor, backend)
-        return _reduce(losses, target, ignore_index, reduction), dx, dw, db
+                                 ignore_index, label_smoothing, (need_dx, need_dw and not by_vocab, need_db),
+                                 chunk_floor, backend, lse if by_vocab else None)
+        return _reduce(losses, target, ignore_index, reduction), dx, dw, db, lse
 
 
 @torch.library.custom_op("ampkernels::linear_cross_entropy_fwd", mutates_args=())
 def linear_cross_entropy_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
                              label_smoothing: float, reduction: str, need_dx: bool, need_dw: bool, need_db: bool,
-                             chunk_floor: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, dx, dweight, dbias) for 2-D contiguous x (M, K), weight (V, K) in x's dtype or fp32
-    (cast inside), target (M,); the gradients are of the summed per-token losses (empty (0,)
+                             chunk_floor: int, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, dx, dweight, dbias, lse) for 2-D contiguous x (M, K), weight (V, K) in x's dtype or
+    fp32 (cast inside), target (M,); the gradients are of the summed per-token losses (empty (0,)
     tensors when not needed, and for reduction "none": need_* then say what its backward
-    computes); dweight and dbias in fp32 (fp64 for fp64 x). loss: fp32 (fp64),
-    () or (M,) for reduction "none". chunk_floor: see chunk_rows."""
+    computes); dweight and dbias in fp32 (fp64 for fp64 x); dweight of 16-bit weights is left
+    to backward's vocabulary pass, which reads lse (M,) fp32. loss: fp32 (fp64), () or (M,)
+    for reduction "none". chunk_floor: see chunk_rows."""
     return fwd_impl(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
                     chunk_floor, backend)
 
@@ -265,31 +378,64 @@ def _(x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx
     loss = x.new_empty((m,) if reduction == "none" else (), dtype=acc)
     if reduction == "none":
         need_dx = need_dw = need_db = False
+    by_vocab = need_dw and wgrad_by_vocab(weight)
     return (loss, x.new_empty((m, k)) if need_dx else x.new_empty(0),
-            x.new_empty((v, k), dtype=acc) if need_dw else x.new_empty(0),
-            x.new_empty((v,), dtype=acc) if need_db else x.new_empty(0))
+            x.new_empty((v, k), dtype=acc) if need_dw and not by_vocab else x.new_empty(0),
+            x.new_empty((v,), dtype=acc) if need_db else x.new_empty(0),
+            x.new_empty((m,), dtype=torch.float32) if by_vocab else x.new_empty(0))
+
+
+# ---------------------------------------------------------------- the vocabulary pass custom op
+
+@torch.library.custom_op("ampkernels::linear_cross_entropy_wgrad", mutates_args=())
+def linear_cross_entropy_wgrad(x: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor,
+                               scale: Tensor, ignore_index: int, label_smoothing: float, chunk_floor: int,
+                               backend: str) -> Tensor:
+    """d(sum of scale * per-token losses)/d weight in weight's (16-bit) dtype, the logits
+    recomputed a block of vocabulary rows at a time from the rows' lse (M,) fp32; scale fp32
+    (1,) or (M,)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _vocab_wgrad(x, weight, bias, target, lse, scale, ignore_index, label_smoothing, chunk_floor, backend)
+
+
+@linear_cross_entropy_wgrad.register_fake
+def _(x, weight, bias, target, lse, scale, ignore_index, label_smoothing, chunk_floor, backend):
+    return torch.empty_like(weight)
 
 
 # ---------------------------------------------------------------- backward custom op (recompute)
 
+def _scale(dloss, target, ignore_index, reduction, dtype):
+    """The factor each token's gradient (of the summed losses) is multiplied by: (M,) for
+    "none", else (1,): grad_output, / n_valid for "mean" (all tokens ignored: the gradients are
+    zeros, as torch's, not 0 * inf)."""
+    if reduction == "none":
+        return dloss.to(dtype).reshape(-1).contiguous()
+    scale = dloss.detach().to(dtype).reshape(1)
+    if reduction == "mean":
+        scale = scale / _n_valid(target, ignore_index, dtype).clamp_min(1)
+    return scale
+
+
 def bwd_impl(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db,
              chunk_floor, backend):
     """(dx, dw, db) with the logits recomputed chunk by chunk; dloss: () for mean/sum, (M,) for
-    "none". dw and db in fp32 (fp64 for fp64 x), dx in x's dtype."""
+    "none". dw in fp32 (fp64 for fp64 x; the weight's dtype for 16-bit weights), db in fp32
+    (fp64), dx in x's dtype."""
     with torch.autocast(x.device.type, enabled=False):
         m, k = x.shape
         v = weight.shape[0]
         acc = _acc_dtype(x.dtype)
-        sdt = torch.float64 if acc == torch.float64 else torch.float32
-        if reduction == "none":
-            scale = dloss.to(sdt).reshape(-1)
-        else:
-            scale = dloss.to(sdt).reshape(1)
-            if reduction == "mean":
-                scale = scale / _n_valid(target, ignore_index, sdt).clamp_min(1)
+        scale = _scale(dloss, target, ignore_index, reduction, torch.float64 if acc == torch.float64 else torch.float32)
+        by_vocab = need_dw and wgrad_by_vocab(weight)
+        lse = torch.empty(m, dtype=torch.float32, device=x.device) if by_vocab else None
         losses = torch.empty(min(chunk_rows(m, k, v, chunk_floor), m), dtype=acc, device=x.device)  # written, unused
-        return _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, label_smoothing,
-                           (need_dx, need_dw, need_db), chunk_floor, backend)
+        dx, dw, db = _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, label_smoothing,
+                                 (need_dx, need_dw and not by_vocab, need_db), chunk_floor, backend, lse)
+        if by_vocab:
+            dw = _vocab_wgrad(x, weight, bias, target, lse, scale, ignore_index, label_smoothing, chunk_floor,
+                              backend)
+        return dx, dw, db
 
 
 @torch.library.custom_op("ampkernels::linear_cross_entropy_bwd", mutates_args=())
@@ -297,7 +443,8 @@ def linear_cross_entropy_bwd(dloss: Tensor, x: Tensor, weight: Tensor, bias: Opt
                              ignore_index: int, label_smoothing: float, reduction: str, need_dx: bool, need_dw: bool,
                              need_db: bool, chunk_floor: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias) of reduction(losses) scaled by dloss, the logits recomputed;
-    dweight and dbias in fp32 (fp64 for fp64 x); empty (0,) tensors when not needed."""
+    dweight in fp32 (fp64 for fp64 x; weight's dtype for 16-bit weights), dbias in fp32 (fp64);
+    empty (0,) tensors when not needed."""
     return bwd_impl(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw,
                     need_db, chunk_floor, backend)
 
@@ -308,7 +455,8 @@ def _(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, 
     acc = _acc_dtype(x.dtype)
     m, k, v = x.shape[0], x.shape[1], weight.shape[0]
     return (x.new_empty((m, k)) if need_dx else x.new_empty(0),
-            x.new_empty((v, k), dtype=acc) if need_dw else x.new_empty(0),
+            (torch.empty_like(weight) if wgrad_by_vocab(weight) else x.new_empty((v, k), dtype=acc)) if need_dw
+            else x.new_empty(0),
             x.new_empty((v,), dtype=acc) if need_db else x.new_empty(0))
 
 
@@ -316,22 +464,26 @@ def _(dloss, x, weight, bias, target, ignore_index, label_smoothing, reduction, 
 
 def _setup_context(ctx, inputs, output):
     """mean/sum: the forward computed the gradients too; they are saved (x-sized dx, fp32
-    weight-sized dW, fp32 db) and backward scales them in place by grad_output (/ n_valid).
-    "none": saves x, weight, bias, target and recomputes."""
+    weight-sized dW, fp32 db) and backward scales them in place by grad_output (/ n_valid);
+    with 16-bit weights x, the weight, the bias and each row's lse are saved for the vocabulary
+    pass instead of dW. "none": saves x, weight, bias, target and recomputes."""
     x, weight, bias, target, ignore_index, label_smoothing, reduction, need_dx, need_dw, need_db, floor, backend = inputs
-    _, dx, dw, db = output
-    ctx.mark_non_differentiable(dx, dw, db)
+    _, dx, dw, db, lse = output
+    ctx.mark_non_differentiable(dx, dw, db, lse)
     ctx.set_materialize_grads(False)  # no zero gradients for dx, dw, db (an fp32 weight-sized buffer)
     ctx.args = (ignore_index, label_smoothing, reduction, floor, backend)
     ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
     ctx.need = (need_dx, need_dw, need_db)
+    ctx.by_vocab = need_dw and reduction != "none" and wgrad_by_vocab(weight)
     if reduction == "none":
         ctx.save_for_backward(x, weight, bias, target)
+    elif ctx.by_vocab:
+        ctx.save_for_backward(target, dx, lse, db, x, weight, bias)
     else:
         ctx.save_for_backward(target, dx, dw, db)
 
 
-def _backward(ctx, dloss, _ddx, _ddw, _ddb):
+def _backward(ctx, dloss, _ddx, _ddw, _ddb, _dlse):
     ignore_index, label_smoothing, reduction, floor, backend = ctx.args
     need_dx, need_dw, need_db = ctx.need
     wdt, bdt = ctx.dtypes
@@ -344,15 +496,19 @@ def _backward(ctx, dloss, _ddx, _ddw, _ddb):
         # in place on the saved gradients: no second weight-sized buffer while the model's
         # activations peak. A second backward through this node (retain_graph) gets torch's
         # "modified by an inplace operation" error from the version check.
-        target, dx, dw, db = ctx.saved_tensors
-        factor = dloss.detach().to(torch.float64 if dw.dtype == torch.float64 else torch.float32)
-        if reduction == "mean":
-            # all tokens ignored: the gradients are zeros (as torch's), not 0 * inf
-            factor = factor / _n_valid(target, ignore_index, factor.dtype).clamp_min(1)
+        if ctx.by_vocab:
+            target, dx, lse, db, x, weight, bias = ctx.saved_tensors
+        else:
+            target, dx, dw, db = ctx.saved_tensors
+        factor = _scale(dloss, target, ignore_index, reduction,
+                        torch.float64 if dx.dtype == torch.float64 else torch.float32)
+        if ctx.by_vocab:
+            dw = torch.ops.ampkernels.linear_cross_entropy_wgrad(x, weight, bias, target, lse, factor, ignore_index,
+                                                                 label_smoothing, floor, backend)
         if need_dx:
             dx.mul_(factor)
-        if need_dw:  # 16-bit weights: scaled and rounded in one pass over the fp32 accumulator
-            dw = dw.mul_(factor) if wdt == dw.dtype else torch.mul(dw, factor, out=torch.empty_like(dw, dtype=wdt))
+        if need_dw and not ctx.by_vocab:  # the fp32 accumulator is the (fp32) gradient
+            dw.mul_(factor)
         if need_db:
             db = db.mul_(factor) if bdt == db.dtype else torch.mul(db, factor, out=torch.empty_like(db, dtype=bdt))
     return (dx if need_dx else None, dw.to(wdt) if need_dw else None, db.to(bdt) if need_db else None,
