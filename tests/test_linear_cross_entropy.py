@@ -693,6 +693,25 @@ def test_gpu_real_shape_and_bounded_memory(backend):
     assert peaks[32768] - peaks[8192] < 0.1 * 3 * 8192 * v * 2, peaks
 
 
+def _step_peak(step, *leaves):
+    """Bytes allocated at the peak of one training step beyond what was held before it (no
+    gradients), after a first step (cuBLAS's workspace and handles, once per process)."""
+    def run():
+        for a in leaves:
+            a.grad = None
+        step()
+
+    run()
+    for a in leaves:
+        a.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 @pytest.mark.gpu
 def test_gpu_master_weights_memory():
     # GPT-2's head with fp32 master weights under bf16 autocast: beyond the gradients themselves
@@ -704,18 +723,10 @@ def test_gpu_master_weights_memory():
     t = torch.randint(0, v, (m,), device="cuda")
 
     def step():
-        x.grad = w.grad = None
         with torch.autocast("cuda", dtype=torch.bfloat16):
             ampkernels.linear_cross_entropy(x, w, t, backend="cuda").backward()
 
-    step()  # cuBLAS's workspace and handles, once per process
-    x.grad = w.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = _step_peak(step, x, w)
     vp = lce.padded_vocab(v, x)
     grads = vp * k * 4 + m * k * 2
     extra = vp * k * 2 + lce.chunk_rows(m, k, v, lce._CHUNK_MIN_ELEMS) * vp * 2
@@ -735,18 +746,7 @@ def test_gpu_16bit_weights_memory(backend):
     x = torch.randn(m, k, device="cuda").bfloat16().requires_grad_()
     t = torch.randint(0, v, (m,), device="cuda")
 
-    def step():
-        x.grad = w.grad = None
-        ampkernels.linear_cross_entropy(x, w, t, backend=backend).backward()
-
-    step()
-    x.grad = w.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak = _step_peak(lambda: ampkernels.linear_cross_entropy(x, w, t, backend=backend).backward(), x, w)
     vp = lce.padded_vocab(v, x)
     chunk = lce.chunk_rows(m, k, v, lce._CHUNK_MIN_ELEMS) * vp * 2
     block = m * lce.padded_vocab(lce.vocab_block_cols(m, k, v, lce._CHUNK_MIN_ELEMS), x) * 2

@@ -24,6 +24,35 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _row_scale(scale_ptr, row, SCALE_PER_ROW: tl.constexpr):
+    if SCALE_PER_ROW:
+        return tl.load(scale_ptr + row)
+    return tl.load(scale_ptr)
+
+
+@triton.jit
+def _write_grad(z_row, width, tc, lse, sc, eps, V, SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
+    """z_row[:width] <- sc * (exp(z - lse) - (1-eps) [col == tc] - eps/V), in place."""
+    lanes = tl.arange(0, BLOCK)
+    for off in range(0, width, BLOCK):
+        cols = off + lanes
+        mask = cols < width
+        z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.exp(z - lse) - tl.where(cols == tc, 1.0 - eps, 0.0)
+        if SMOOTH:
+            g -= eps / V
+        tl.store(z_row + cols, (g * sc).to(z_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_zeros(z_row, width, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    for off in range(0, width, BLOCK):
+        cols = off + lanes
+        tl.store(z_row + cols, tl.zeros([BLOCK], z_row.dtype.element_ty), mask=cols < width)
+
+
+@triton.jit
 def _lce_rows_kernel(z_ptr, ld, t_ptr, loss_ptr, lse_ptr, scale_ptr, V, ignore_index, eps,
                      SCALE_PER_ROW: tl.constexpr, WRITE_GRAD: tl.constexpr, SMOOTH: tl.constexpr,
                      STORE_LSE: tl.constexpr, BLOCK: tl.constexpr):
@@ -61,26 +90,13 @@ def _lce_rows_kernel(z_ptr, ld, t_ptr, loss_ptr, lse_ptr, scale_ptr, V, ignore_i
         if STORE_LSE:
             tl.store(lse_ptr + row, lse)
         if WRITE_GRAD:
-            if SCALE_PER_ROW:
-                sc = tl.load(scale_ptr + row)
-            else:
-                sc = tl.load(scale_ptr)
-            for off in range(0, V, BLOCK):
-                cols = off + lanes
-                mask = cols < V
-                z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.exp(z - lse) - tl.where(cols == t, 1.0 - eps, 0.0)
-                if SMOOTH:
-                    g -= eps / V
-                tl.store(z_row + cols, (g * sc).to(z_ptr.dtype.element_ty), mask=mask)
+            _write_grad(z_row, V, t, lse, _row_scale(scale_ptr, row, SCALE_PER_ROW), eps, V, SMOOTH, BLOCK)
     else:
         tl.store(loss_ptr + row, 0.0)
         if STORE_LSE:
             tl.store(lse_ptr + row, 0.0)
         if WRITE_GRAD:
-            for off in range(0, V, BLOCK):
-                cols = off + lanes
-                tl.store(z_row + cols, tl.zeros([BLOCK], z_ptr.dtype.element_ty), mask=cols < V)
+            _write_zeros(z_row, V, BLOCK)
 
 
 @triton.jit
@@ -89,25 +105,11 @@ def _lce_grad_kernel(z_ptr, ld, t_ptr, lse_ptr, scale_ptr, width, col0, V, ignor
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * ld
     t = tl.load(t_ptr + row)
-    lanes = tl.arange(0, BLOCK)
     if t != ignore_index:
-        lse = tl.load(lse_ptr + row)
-        if SCALE_PER_ROW:
-            sc = tl.load(scale_ptr + row)
-        else:
-            sc = tl.load(scale_ptr)
-        for off in range(0, width, BLOCK):
-            cols = off + lanes
-            mask = cols < width
-            z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.exp(z - lse) - tl.where(cols + col0 == t, 1.0 - eps, 0.0)
-            if SMOOTH:
-                g -= eps / V
-            tl.store(z_row + cols, (g * sc).to(z_ptr.dtype.element_ty), mask=mask)
+        _write_grad(z_row, width, t - col0, tl.load(lse_ptr + row), _row_scale(scale_ptr, row, SCALE_PER_ROW), eps,
+                    V, SMOOTH, BLOCK)
     else:
-        for off in range(0, width, BLOCK):
-            cols = off + lanes
-            tl.store(z_row + cols, tl.zeros([BLOCK], z_ptr.dtype.element_ty), mask=cols < width)
+        _write_zeros(z_row, width, BLOCK)
 
 
 def block_size(v, smooth):
