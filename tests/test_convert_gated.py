@@ -287,7 +287,9 @@ def _matches_under_autocast(ref, features, backend, dtype, new_cls):
         xi = x.clone().requires_grad_(True)
         with torch.autocast("cuda", dtype=dtype):
             y = net(xi)
-        y.float().square().mean().backward()
+        # a sum, not a mean: gradients of size y, as a GradScaler'd loss gives, not 1/numel below
+        # fp16's normal range (both sides would round them to subnormals and differ by 1%)
+        y.float().square().sum().backward()
         outs.append(y)
         grads.append([xi.grad] + [p.grad for p in net.parameters()])
     assert outs[1].dtype == outs[0].dtype
