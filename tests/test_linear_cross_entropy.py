@@ -243,6 +243,13 @@ def test_chunking_bounds_the_logits():
     # GPT-2's head: 13 chunks of 640 rows in eager, 4 of 2048 under torch.compile
     assert -(-8192 // lce.chunk_rows(8192, 768, 50257, lce._CHUNK_MIN_ELEMS)) == 13
     assert -(-8192 // lce.chunk_rows(8192, 768, 50257, lce._CHUNK_MIN_ELEMS * lce._COMPILED_CHUNK_SCALE)) == 4
+    # the fp32 accumulator: chunks of at least hidden / 2 rows (Llama-3's head: 4 of 2048, not 32
+    # of 256); at GPT-2's head the floor is larger already
+    assert lce.chunk_rows(8192, 4096, 128256, lce._CHUNK_MIN_ELEMS) == 256
+    assert lce.chunk_rows(8192, 4096, 128256, lce._CHUNK_MIN_ELEMS, accumulate=True) == 2048
+    assert lce.chunk_rows(8192, 768, 50257, lce._CHUNK_MIN_ELEMS, accumulate=True) == \
+        lce.chunk_rows(8192, 768, 50257, lce._CHUNK_MIN_ELEMS)
+    assert lce.chunk_rows(100, 4096, 128256, lce._CHUNK_MIN_ELEMS, accumulate=True) == 100
 
 
 def test_chunk_floor_is_larger_under_compile():
@@ -729,7 +736,7 @@ def test_gpu_master_weights_memory():
     peak = _step_peak(step, x, w)
     vp = lce.padded_vocab(v, x)
     grads = vp * k * 4 + m * k * 2
-    extra = vp * k * 2 + lce.chunk_rows(m, k, v, lce._CHUNK_MIN_ELEMS) * vp * 2
+    extra = vp * k * 2 + lce.chunk_rows(m, k, v, lce._CHUNK_MIN_ELEMS, accumulate=True) * vp * 2
     assert peak <= grads + extra + (8 << 20), (peak, grads, extra)
     assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
 
