@@ -222,6 +222,10 @@ def launch_everything(max_shared):
         # heaviest epilogue); then the other activations, no biases, inference
         h, gu = empty(256, 384, dtype=dtype), empty(256, 768, dtype=dtype)
         tga.gated_linear_act_fwd(x, w, w, bias, bias, gelu, True)
+        if tla._pingpong.available():  # its Hopper ping-pong kernel: both biases and gu stored, and neither
+            for act_id in range(len(ACTIVATIONS)):
+                tla._pingpong.gated_linear_act_fwd_pingpong(x, w, w, bias, bias, act_id, h, gu, 132)
+            tla._pingpong.gated_linear_act_fwd_pingpong(x, w, w, None, None, gelu, h, None, 132)
         if dtype == torch.bfloat16:
             for name in ("silu", "gelu_tanh"):
                 tga.gated_linear_act_fwd(x, w, w, None, bias, ACTIVATIONS.index(name), True)

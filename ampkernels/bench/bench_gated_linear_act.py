@@ -5,6 +5,7 @@ Providers, per shape (tokens T, K -> H), dtype and activation:
   eager             two F.linear, the activation, the multiply (the unfused baseline)
   compile           torch.compile of eager (fresh per shape)
   ampkernels-cuda, ampkernels-triton   separate gate and up weights
+  ampkernels                           the same, backend "auto"
   ampkernels-cuda-packed               the weights as the two halves of one parameter (timm
                                        GluMlp's fc1): one GEMM of N = 2H on the cuda backend
 Passes: "fwd" = inference (no grad); "fwd_bwd" = training forward + backward (dx, dWg, dWu).
@@ -45,6 +46,8 @@ def _providers(activation, quick, device):
         if avail[backend][0] and _extension.loaded() and (device == "cuda" or backend == "triton"):
             p[f"ampkernels-{backend}"] = (lambda b: lambda x, wg, wu, w: ampkernels.gated_linear_act(
                 x, wg, wu, activation=activation, backend=b))(backend)
+    if "ampkernels-cuda" in p or "ampkernels-triton" in p:  # what "auto" picks
+        p["ampkernels"] = lambda x, wg, wu, w: ampkernels.gated_linear_act(x, wg, wu, activation=activation)
     if "ampkernels-cuda" in p:
         p["ampkernels-cuda-packed"] = lambda x, wg, wu, w: ampkernels.gated_linear_act(
             x, *w.chunk(2, 0), activation=activation, backend="cuda")
@@ -156,9 +159,9 @@ def run(recorder, dtypes, quick, device="cuda", shapes=None):
 
 
 def report(rows):
-    """Per (dtype, shape, activation, pass): our best against the packed matmul (the ceiling) and
-    against eager and torch.compile, as ratios of times (the same FLOPs in every row of a shape);
-    then the memory rows."""
+    """Per (dtype, shape, activation, pass): ours ("auto", else our best backend) against the packed
+    matmul (the ceiling) and against eager and torch.compile, as ratios of times (the same FLOPs in
+    every row of a shape); then the memory rows."""
     ms = {}
     for r in rows:
         if r.get("op") == OP and r.get("metric") == "TFLOP/s":
@@ -166,8 +169,9 @@ def report(rows):
     lines = []
     keys = sorted({(k[2], k[3], k[4], k[1]) for k in ms if k[4] != "none"})
     for dtype, shape, act, pas in keys:
-        ours = [(ms[k], k[0]) for k in ((p, pas, dtype, shape, act) for p in
-                                        ("ampkernels-cuda", "ampkernels-cuda-packed", "ampkernels-triton"))
+        auto = ("ampkernels", pas, dtype, shape, act)
+        ours = [(ms[k], k[0]) for k in ([auto] if auto in ms else [
+            (p, pas, dtype, shape, act) for p in ("ampkernels-cuda", "ampkernels-cuda-packed", "ampkernels-triton")])
                 if k in ms and ms[k] > 0]
         if not ours:
             continue

@@ -1,6 +1,13 @@
 """Triton kernels for gated_linear_act: h = act(x @ Wg^T + bg) * (x @ Wu^T + bu).
 
-Forward (`_gated_fwd_kernel`): one program owns a BLOCK_M x BLOCK_N tile of h (M, H) and walks
+Forward on Hopper: the warp-specialized ping-pong kernel of linear_act_pingpong.py (GATED): each
+tile's main loop is ONE 128-wide wgmma over 64 rows of the gate's weight and 64 of the up
+projection's, loaded side by side into each shared-memory stage; the epilogue pairs g and u
+through shared memory (gu's halves leave from there when stored) and writes h over g's half. The
+epilogue overlaps the other consumer's main loop, so h costs about what the packed matmul's
+(M, 2H) output costs.
+
+Forward elsewhere (`_gated_fwd_kernel`): one program owns a BLOCK_M x BLOCK_N tile of h (M, H) and walks
 K in BLOCK_K steps, loading each x tile ONCE and multiplying it into two fp32 accumulators,
 one per weight (gate and up, two pointers: the weights need not be packed). The epilogue adds
 the biases in fp32, rounds g and u to h's dtype (the values backward reads, stored into the
@@ -19,7 +26,7 @@ import triton.language as tl
 from . import cdiv, on_device
 from .epilogue import _act_fwd, _act_grad, _tile_origin
 from .launch import launch
-from .linear_act import _AUTOTUNE, _INTERPRET, _programs
+from .linear_act import _AUTOTUNE, _INTERPRET, _pingpong, _programs, _tma_ok, log, pingpong_enabled
 
 
 def _fwd_configs(tune=_AUTOTUNE):
@@ -119,15 +126,40 @@ def gated_linear_act_fwd(x, wg, wu, bg, bu, act_id, store):
             gu.copy_(z)
         return h, gu
     programs = _programs(x)
+    with on_device(x):
+        if _pingpong_ok(x, wg, wu, h, gu, store):
+            try:
+                _pingpong.gated_linear_act_fwd_pingpong(x, wg, wu, bg, bu, act_id, h, gu if store else None, programs)
+                return h, gu
+            except Exception as e:  # a Triton whose Gluon cannot build it: say so once, keep working
+                _PINGPONG_BROKEN[0] = f"{type(e).__name__}: {e}"
+                log.warning("ampkernels: Gluon ping-pong gated matmul unavailable (%s); using the pointer kernel",
+                            _PINGPONG_BROKEN[0][:300])
+        _pointer_fwd(x, wg, wu, bg, bu, act_id, h, gu, store, programs)
+    return h, gu
+
+
+_PINGPONG_BROKEN = [None]  # the error, if the gated ping-pong kernel ever failed to launch
+
+
+def _pingpong_ok(x, wg, wu, h, gu, store):
+    """The warp-specialized Hopper kernel (linear_act_pingpong.py) takes the call: on when linear_act's
+    is, every operand TMA-ready (gu's two halves are views with their own base addresses)."""
+    H = wg.shape[0]
+    return (_PINGPONG_BROKEN[0] is None and x.is_cuda and pingpong_enabled(x.device) and _tma_ok(x, wg, wu, h)
+            and (not store or _tma_ok(gu[:, :H], gu[:, H:])))
+
+
+def _pointer_fwd(x, wg, wu, bg, bu, act_id, h, gu, store, programs):
+    M, K = x.shape
+    H = wg.shape[0]
 
     def grid(meta):
         return (min(programs, cdiv(M, meta["BLOCK_M"]) * cdiv(H, meta["BLOCK_N"])),)
 
-    with on_device(x):
-        _gated_fwd_kernel[grid](x, wg, wu, x if bg is None else bg, x if bu is None else bu, h, gu if store else h,
-                                M, H, K, x.stride(0), wg.stride(0), wu.stride(0), ACT=act_id,
-                                HAS_BG=bg is not None, HAS_BU=bu is not None, STORE=store)
-    return h, gu
+    _gated_fwd_kernel[grid](x, wg, wu, x if bg is None else bg, x if bu is None else bu, h, gu if store else h,
+                            M, H, K, x.stride(0), wg.stride(0), wu.stride(0), ACT=act_id,
+                            HAS_BG=bg is not None, HAS_BU=bu is not None, STORE=store)
 
 
 @triton.jit
