@@ -21,6 +21,7 @@ import ampkernels
 import ampkernels.nn
 from ampkernels import _extension, backends, reference
 from ampkernels.ops import gated_linear_act as gla
+from ampkernels.ops import linear_act as la
 from ampkernels.ops.shared import autocast_dtypes
 from tests.utils import assert_rel_close, cuda_kernels_on_cpu, randn
 
@@ -230,15 +231,28 @@ def test_explicit_cuda_on_cpu_is_a_clear_error():
         ampkernels.gated_linear_act(x, wg, wu, backend="cuda")
 
 
-def test_auto_preference():
-    assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", True) == ("cuda", "triton")
-    assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", False) == ("cuda", "triton")
-    assert gla.preference(torch.device("cuda"), torch.bfloat16, "silu", "large", True, compiling=True) == ("torch",)
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert gla.preference(torch.device("cuda"), torch.float16, "silu", "small", False) == ("cuda",)
-    finally:
-        torch.use_deterministic_algorithms(False)
+def test_auto_preference(monkeypatch):
+    import types
+    cuda = torch.device("cuda", 0)
+    for major in (9, 8):
+        monkeypatch.setattr(gla, "device_properties", lambda index, major=major: types.SimpleNamespace(major=major))
+        assert gla.preference(cuda, torch.bfloat16, "silu", "large", True) == ("cuda", "triton")
+        assert gla.preference(cuda, torch.bfloat16, "silu", "large", False) == ("cuda", "triton")
+        assert gla.preference(cuda, torch.bfloat16, "silu", "medium", True) == ("cuda", "triton")
+        # Hopper inference in the medium bucket: the Triton ping-pong kernel first
+        want = ("triton", "cuda") if major == 9 else ("cuda", "triton")
+        assert gla.preference(cuda, torch.float16, "gelu_tanh", "medium", False) == want
+        assert gla.preference(cuda, torch.bfloat16, "silu", "large", True, compiling=True) == ("torch",)
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert gla.preference(cuda, torch.float16, "silu", "medium", False) == ("cuda",)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    # the extension's eager entry declines exactly those cells (the Python path then decides)
+    from ampkernels.ops.shared import gemm_entry_key
+    assert set(gla._NOT_CUDA_FIRST) == {gemm_entry_key(la.ACT_ID[a], 9, dt, "medium", False) for a in ACTS
+                                        for dt in (torch.float16, torch.bfloat16)}
+    assert not any(gla._NOT_CUDA_FIRST.values())  # none of them is torch-first
     x, wg, wu, _, _ = _inputs(4, 8, 6, torch.float16, "cpu")
     assert gla._choose(None, x.device, x.dtype, "silu", "small", False, None, False) == "torch"
 

@@ -33,8 +33,9 @@ from torch import Tensor
 
 from .. import _extension, backends, reference
 from . import linear_act as la
-from .shared import (GATED_LINEAR_ACT, GATED_MLP, autocast_dtypes, gemm_entry, gemm_unsupported, kernel_op,
-                     torch_path_params)
+from ..triton import device_index, device_properties
+from .shared import (GATED_LINEAR_ACT, GATED_MLP, autocast_dtypes, gemm_entry, gemm_entry_key, gemm_unsupported,
+                     kernel_op, torch_path_params)
 
 ACTIVATIONS = reference.GATED_ACTIVATIONS
 
@@ -120,13 +121,15 @@ def _torch_gated_linear_act(x, wg, wu, bg, bu, activation, cast_to, recompute):
 
 # ---------------------------------------------------------------- "auto"
 
-# cuda first, inference and training. Inference, from one H200 run of
-# ampkernels/bench/bench_gated_linear_act.py --quick (bf16, SwiGLU, 8192 x 1024 -> 2816): packed
-# cuBLAS 0.176 ms, two GEMMs 0.184, Triton 0.180, eager 0.203. Training: in the e2e benchmark the
-# converted LLaMA-style step (bf16, eager) ran 39.4 ms on cuda against 52.4 triton-first, when
-# Triton's autograd was still a Python Function (docs/performance.md); the op alone was within
-# noise of Triton.
+# cuda first, except Hopper inference in the medium bucket, where the Triton backend's ping-pong
+# kernel (h straight from the GEMM's epilogue) runs first. ampkernels/bench/bench_gated_linear_act.py
+# --dtype bfloat16 on an H100, ms, inference: 8192 x 1024 -> 2816 (medium) Triton 0.144 (SiLU and
+# tanh GeGLU) against cuda 0.196, the packed matmul 0.133; 8192 x 4096 -> 11008 (large) Triton
+# 2.56-2.60 against cuda 2.21-2.42. Training stays on cuda: 0.56 against 0.68 ms at the medium
+# shape (the cuda backward); in the e2e benchmark the converted LLaMA-style step (bf16, eager) ran
+# 39.4 ms on cuda against 52.4 triton-first, when Triton's autograd was still a Python Function.
 _AUTO = ("cuda", "triton")
+_TRITON_FIRST = {(9, "medium", False)}  # (compute capability major, bucket, training)
 
 
 def preference(device, dtype, activation, bucket, training, compiling=False):
@@ -137,10 +140,15 @@ def preference(device, dtype, activation, bucket, training, compiling=False):
         return ("torch",)
     if torch.are_deterministic_algorithms_enabled():
         return ("cuda",)  # Triton's autotuner picks tiles by timing
-    return _AUTO
+    cc = device_properties(device_index(device)).major if device.type == "cuda" else 0
+    return ("triton", "cuda") if (cc, bucket, bool(training)) in _TRITON_FIRST else _AUTO
 
 
-_NOT_CUDA_FIRST = {}  # "auto" runs the cuda kernels first in every cell (gemm_entry's table)
+# gemm_entry's table: the cells whose first preference is not cuda (the entry then declines and
+# the Python path decides)
+_NOT_CUDA_FIRST = {gemm_entry_key(la.ACT_ID[act], cc, dtype, bucket, training): False
+                   for cc, bucket, training in _TRITON_FIRST for act in ACTIVATIONS
+                   for dtype in (torch.float16, torch.bfloat16)}
 
 
 @backends.assume_constant_result
