@@ -46,9 +46,6 @@
 //   own partial row in global memory.
 #include <algorithm>
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #include "activations.cuh"
@@ -1018,101 +1015,25 @@ cudaError_t dispatch_iters(int iters, F&& f) {
 
 size_t bwd_smem(const TileConfig& c) { return size_t(2 * c.iters * c.vec + 1) * c.threads * sizeof(float); }
 
-// What the backward asks the driver on every call, asked once (a backward of a small model's
-// norm waits on host time: the occupancy query and the attribute calls were several us a call).
-// Per (kernel, device): the dynamic shared-memory limit set so far (only ever raised, so that a
-// host thread never shrinks it under another's launch) and the carveout; per (kernel, device,
-// threads, smem): blocks per SM.
-struct LaunchCache {
-  std::mutex mu;
-  std::map<std::tuple<const void*, int>, size_t> smem_limit;
-  std::map<std::tuple<const void*, int, int, size_t>, int> per_sm;
-};
-
-LaunchCache& launch_cache() {
-  static LaunchCache cache;
-  return cache;
-}
-
-// Raises the kernel's dynamic shared-memory limit to at least `smem` (above 48 KiB it must be
-// opted into); carveout: prefer shared memory over L1, set with the first raise.
-template <typename K>
-cudaError_t ensure_smem_limit(K kernel, size_t smem, bool carveout) {
-  if (smem <= 48 * 1024 && !carveout) return cudaSuccess;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  LaunchCache& c = launch_cache();
-  const std::lock_guard<std::mutex> lock(c.mu);
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device);
-  const auto it = c.smem_limit.find(key);
-  if (it != c.smem_limit.end() && it->second >= smem) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (err == cudaSuccess && carveout && it == c.smem_limit.end()) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               int(cudaSharedmemCarveoutMaxShared));
-  }
-  if (err == cudaSuccess) c.smem_limit[key] = smem;
-  return err;
-}
-
-template <typename K>
-cudaError_t blocks_per_sm(K kernel, int threads, size_t smem, int* per_sm) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  LaunchCache& c = launch_cache();
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, threads, smem);
-  {
-    const std::lock_guard<std::mutex> lock(c.mu);
-    const auto it = c.per_sm.find(key);
-    if (it != c.per_sm.end()) {
-      *per_sm = it->second;
-      return cudaSuccess;
-    }
-  }
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem);
-  if (err == cudaSuccess) {
-    const std::lock_guard<std::mutex> lock(c.mu);
-    c.per_sm[key] = *per_sm;
-  }
-  return err;
-}
-
-// Shared memory per block (opt-in) and per SM of the current device, asked once per device.
-cudaError_t device_smem(int* optin, int* per_sm) {
-  static std::mutex mu;
-  static std::map<int, std::pair<int, int>> known;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto it = known.find(device);
-  if (it != known.end()) {
-    *optin = it->second.first;
-    *per_sm = it->second.second;
-    return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-  if (err == cudaSuccess) known[device] = {*optin, *per_sm};
-  return err;
-}
-
 // Blocks of the persistent backward: as many as fit on the GPU at once, never more than there
 // are row groups. Also sets the kernel's shared-memory limit when it needs more than 48 KiB.
 cudaError_t bwd_blocks(const NormBackwardArgs& a, int num_sms, const TileConfig& c, int* blocks) {
   int per_sm = 0;
   cudaError_t err = dispatch_vec(a.x_dtype, c.vec, [&]<typename T, int kVec>() {
-    if (c.iters == 0) return blocks_per_sm(norm_bwd_looped_kernel<T, kVec>, c.threads, 0, &per_sm);
+    if (c.iters == 0) {
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, norm_bwd_looped_kernel<T, kVec>, c.threads, 0);
+    }
     return dispatch_iters(c.iters, [&]<int kIters>() -> cudaError_t {
       if constexpr (kIters > kBwdMaxIters) {
         return cudaErrorInvalidConfiguration;
       } else {
         const auto kernel = norm_bwd_kernel<T, kVec, kIters>;
         const size_t smem = bwd_smem(c);
-        const cudaError_t e = ensure_smem_limit(kernel, smem, false);
-        return e != cudaSuccess ? e : blocks_per_sm(kernel, c.threads, smem, &per_sm);
+        if (smem > 48 * 1024) {
+          const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+          if (e != cudaSuccess) return e;
+        }
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, c.threads, smem);
       }
     });
   });
@@ -1145,8 +1066,10 @@ cudaError_t bwd_pipe_config(const NormBackwardArgs& a, PipeConfig* out) {
   if (a.x_dtype == DType::kFloat32 || bwd_vec(a) != kPipeVec) return cudaSuccess;
   if (a.dy_dtype != a.x_dtype || a.dx_dtype != a.x_dtype || a.dresidual != nullptr) return cudaSuccess;
   if (a.dresidual_out != nullptr && a.dresidual_out_dtype != a.x_dtype) return cudaSuccess;
-  int optin = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
-  const cudaError_t err = device_smem(&optin, &per_sm);
+  int device = 0, optin = 0, per_sm = 0;  // shared memory per block (opt-in) and per SM
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
   if (err != cudaSuccess) return err;
   const int64_t nvec = a.cols / kPipeVec;
   PipeConfig best{0, 0, 0, 0, 0};
@@ -1198,8 +1121,15 @@ cudaError_t dispatch_pipe(DType x_dtype, int iters, F&& f) {
 template <typename T, int kIters>
 cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
   const auto kernel = norm_bwd_pipe_kernel<T, kIters>;
-  const cudaError_t err = ensure_smem_limit(kernel, c.smem_limit, true);
-  return err != cudaSuccess || per_sm == nullptr ? err : blocks_per_sm(kernel, c.threads, c.smem, per_sm);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared));
+  }
+  if (err == cudaSuccess && per_sm != nullptr) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, c.threads, c.smem);
+  }
+  return err;
 }
 
 }  // namespace

@@ -320,11 +320,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
   a.is_rms = is_rms;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AMPK_CHECK_CUDA(norm_backward_blocks(a, num_sms(), &a.num_blocks));
-  // the blocks' fp32 partial rows of dweight, then of dbias, in one allocation (host time)
-  const int64_t partial_rows = int64_t(a.num_blocks) * (int64_t(want_dweight) + int64_t(want_dbias));
-  at::Tensor partials = at::empty({partial_rows, cols}, x.options().dtype(at::kFloat));
-  a.dweight_partial = want_dweight ? partials.data_ptr<float>() : nullptr;
-  a.dbias_partial = want_dbias ? partials.data_ptr<float>() + (want_dweight ? a.num_blocks * cols : 0) : nullptr;
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor dw_partial = at::empty({want_dweight ? a.num_blocks : 0, cols}, f32);
+  at::Tensor db_partial = at::empty({want_dbias ? a.num_blocks : 0, cols}, f32);
+  a.dweight_partial = want_dweight ? dw_partial.data_ptr<float>() : nullptr;
+  a.dbias_partial = want_dbias ? db_partial.data_ptr<float>() : nullptr;
   at::Tensor dweight = at::empty({want_dweight ? cols : 0}, x.options().dtype(grad_param_t));
   at::Tensor dbias = at::empty({want_dbias ? cols : 0}, x.options().dtype(grad_param_t));
   AMPK_CHECK_CUDA(norm_backward(a, stream));
