@@ -1,4 +1,5 @@
-"""Hopper linear_act forward with a warp-specialized "ping-pong" schedule, written in Gluon.
+"""Hopper linear_act and gated_linear_act forwards with a warp-specialized "ping-pong" schedule,
+written in Gluon.
 
 Why: in the Triton TMA kernel (linear_act.py) every warp runs main loop, then epilogue. The erf
 GELU and SiLU epilogues are long enough (tens of FP32/SFU instructions an element) that the
@@ -19,6 +20,11 @@ the turns also keep the consumers meeting the phases in the order one consumer w
 
 Two more warpgroups taking the epilogue off the consumers, and a cooperative 256x128 kernel,
 were slower at most shapes (docs/performance.md).
+
+Gated (gated_linear_act_fwd_pingpong): the same schedule with BN = 64 output columns a tile; the
+producer loads 64 rows of the gate's weight and the same 64 of the up projection's into the two
+halves of a stage, so one 128-wide wgmma computes g and u side by side, and the epilogue pairs
+them through shared memory: h = act(g) * u leaves over g's half (g and u first, when stored).
 
 Same contract as _linear_act_fwd_tma_kernel: y = act(x W^T + b) with the pre-activation rounded
 to y's dtype first (stored to pre when STORE_PRE), fp32 accumulation, the activation formulas and
