@@ -29,7 +29,8 @@ them through shared memory: h = act(g) * u leaves over g's half (g and u first, 
 Same contract as _linear_act_fwd_tma_kernel: y = act(x W^T + b) with the pre-activation rounded
 to y's dtype first (stored to pre when STORE_PRE), fp32 accumulation, the activation formulas and
 the tile order of epilogue.py. Gluon has no interpreter; the kernel is compiled for sm_90 on CPU by
-scripts/triton_compile_check.py and tested on the GPU (tests/test_linear_act.py).
+scripts/triton_compile_check.py and tested on the GPU (tests/test_linear_act.py,
+tests/test_gated_linear_act.py).
 """
 import functools
 
@@ -188,7 +189,6 @@ if gluon is not None:
         MMA_N: gl.constexpr = b_bufs.type.shape[1]  # BN, or 2 BN gated (gate and up)
         GATED: gl.constexpr = MMA_N != BN
         NSTAGE: gl.constexpr = a_bufs.type.shape[0]
-        dtype: gl.constexpr = x_desc.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, MMA_N, 16])
         c_smem = c_bufs.index(PARITY)
