@@ -144,10 +144,9 @@ _PINGPONG_BROKEN = [None]  # the error, if the gated ping-pong kernel ever faile
 
 def _pingpong_ok(x, wg, wu, h, gu, store):
     """The warp-specialized Hopper kernel (linear_act_pingpong.py) takes the call: on when linear_act's
-    is, every operand TMA-ready (gu's two halves are views with their own base addresses)."""
-    H = wg.shape[0]
+    is, every operand TMA-ready (gu's u half starts H elements into each row: 16-byte aligned too)."""
     return (_PINGPONG_BROKEN[0] is None and x.is_cuda and pingpong_enabled(x.device) and _tma_ok(x, wg, wu, h)
-            and (not store or _tma_ok(gu[:, :H], gu[:, H:])))
+            and (not store or (_tma_ok(gu) and wg.shape[0] * gu.element_size() % 16 == 0)))
 
 
 def _pointer_fwd(x, wg, wu, bg, bu, act_id, h, gu, store, programs):
