@@ -30,7 +30,8 @@ ampkernels/triton/layer_norm.py):
   (AMPKERNELS_TRITON_AUTOTUNE=0 makes it the TMA-ready shapes' kernel: K and N multiples of 8;
   more tiles than SMs, so each consumer runs several), autocast with fp32 master weights.
 - mlp: fused_mlp's backward (act' in place on its own dh), TMA-ready shapes and not.
-- gated: gated_linear_act's forward epilogue and fused backward, packed weights and not.
+- gated: gated_linear_act's forward epilogue and fused backward, packed weights and not; on
+  Hopper the gated ping-pong forward (TMA-ready shapes, one with more tiles than SMs).
 - lce: linear_cross_entropy's row pass, drawn cases (tests/test_fuzz.lce_case) at row lengths
   around the kernels' block sizes.
 - rotary: rotary_embedding's forward and backward (tests/test_rotary._check) at head dims whose
@@ -135,8 +136,9 @@ def mlp_cases(backend, dtype):
 
 def gated_cases(backend, dtype):
     # the gated GEMM's epilogue (g, u and h stores at the tile edges), the packed one-GEMM path,
-    # the fused backward written over the saved g|u buffer
-    for (m, k, h) in ((1, 13, 7), (33, 40, 65), (65, 72, 129), (130, 64, 136)):
+    # the fused backward written over the saved g|u buffer; on Hopper the last two shapes are the
+    # ping-pong kernel's (TMA-ready), the last with more tiles than SMs
+    for (m, k, h) in ((1, 13, 7), (33, 40, 65), (65, 72, 129), (130, 64, 136), (2050, 64, 1032)):
         for activation in (ampkernels.ops.gated_linear_act.ACTIVATIONS if backend != "triton" or m == 65
                            else ("silu",)):
             for packed, biases in ((False, (True, True)), (True, (False, False)), (False, (False, True))):
@@ -215,6 +217,9 @@ if __name__ == "__main__":
     gc.collect()
     if dev == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        # what torch still counts as allocated: memcheck's leak list at exit is compared with it
-        print(f"sanitize cases: {torch.cuda.memory_allocated()} bytes allocated at exit", flush=True)
+        # the CUDA tensors Python still holds, which memcheck's leak list at exit includes (under
+        # PYTORCH_NO_CUDA_MEMORY_CACHING torch keeps no allocation statistics: memory_allocated reads 0)
+        live = [t for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
+        print(f"sanitize cases: {len(live)} CUDA tensors alive at exit, "
+              f"{sum(t.untyped_storage().nbytes() for t in live)} bytes: "
+              + ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in live[:20]), flush=True)
