@@ -25,7 +25,8 @@ ampkernels/triton/layer_norm.py):
   the Gluon kernels at every row length they take (SANITIZER_GLUON=0 skips that).
 - norm_mixes, the norms' dtype mixes: a pairwise cover of tests/test_dtype_combos.py's grid and issue 31's
   crash (16-bit x, fp32 residual kept in fp32, 16-bit weight/bias) by name.
-- linear_act: the dz pass (act' backward and the dbias partials; tiles of 64 x 128 on a GPU:
+- linear_act: on Hopper first a minimal Gluon warp_specialize kernel, a control for racecheck's
+  reports on the ping-pong GEMM (docs/reliability.md); the dz pass (act' backward and the dbias partials; tiles of 64 x 128 on a GPU:
   M, N at 63/65 and 127/129), the pointer and TMA forwards, on Hopper the ping-pong GEMM
   (AMPKERNELS_TRITON_AUTOTUNE=0 makes it the TMA-ready shapes' kernel: K and N multiples of 8;
   more tiles than SMs, so each consumer runs several), autocast with fp32 master weights.
@@ -111,7 +112,40 @@ def _activations(backend, every):
     return ampkernels.ACTIVATIONS if backend != "triton" or every else ("gelu_tanh",)
 
 
+def _ws_control():
+    """A minimal Gluon warp_specialize kernel, or None without Gluon's Hopper API: its partitions
+    share no memory and write disjoint ranges of out, so any racecheck report on it comes from the
+    lowering's own handshake (the switch loop's partition state), not from a kernel's buffers."""
+    from ampkernels.triton import linear_act_pingpong as pp
+    if not pp.available():
+        return None
+    gluon, gl = pp.gluon, pp.gl
+
+    @gluon.jit
+    def _ws_default(out):
+        offs = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        gl.store(out + offs, offs + 1)
+
+    @gluon.jit
+    def _ws_worker(out):
+        offs = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        gl.store(out + 128 + offs, offs + 1000)
+
+    @gluon.jit
+    def _ws_control_kernel(out):
+        gl.warp_specialize([(_ws_default, (out,)), (_ws_worker, (out,))], [1], [24])
+
+    def run():
+        out = torch.zeros(160, dtype=torch.int32, device=dev)
+        _ws_control_kernel[(2,)](out, num_warps=4)
+        want = torch.cat([torch.arange(1, 129), torch.arange(1000, 1032)]).to(out)
+        assert torch.equal(out, want), "warp_specialize control: wrong output"
+    return run
+
+
 def linear_act_cases(backend, dtype):
+    if backend == "triton" and dev == "cuda" and torch.cuda.get_device_capability()[0] == 9 and _ws_control():
+        case("triton gluon warp_specialize control", _ws_control())  # before the ping-pong GEMM's cases
     shapes = [(1, 13, 7), (5, 64, 24), (33, 13, 8), (63, 40, 127), (65, 72, 129), (70, 136, 200),
               (129, 72, 136), (2050, 64, 1032)]  # the last: 153 tiles of 128 x 128, more than an H200's SMs
     for m, k, n in shapes:
