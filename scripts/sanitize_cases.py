@@ -26,10 +26,11 @@ ampkernels/triton/layer_norm.py):
 - norm_mixes, the norms' dtype mixes: a pairwise cover of tests/test_dtype_combos.py's grid and issue 31's
   crash (16-bit x, fp32 residual kept in fp32, 16-bit weight/bias) by name.
 - linear_act: on Hopper first a minimal Gluon warp_specialize kernel, a control for racecheck's
-  reports on the ping-pong GEMM (docs/reliability.md); the dz pass (act' backward and the dbias partials; tiles of 64 x 128 on a GPU:
-  M, N at 63/65 and 127/129), the pointer and TMA forwards, on Hopper the ping-pong GEMM
-  (AMPKERNELS_TRITON_AUTOTUNE=0 makes it the TMA-ready shapes' kernel: K and N multiples of 8;
-  more tiles than SMs, so each consumer runs several), autocast with fp32 master weights.
+  reports on the ping-pong GEMM (docs/reliability.md); the dz pass (act' backward and the dbias
+  partials; tiles of 64 x 128 on a GPU: M, N at 63/65 and 127/129), the pointer and TMA
+  forwards, on Hopper the ping-pong GEMM (AMPKERNELS_TRITON_AUTOTUNE=0 makes it the TMA-ready
+  shapes' kernel: K and N multiples of 8; more tiles than SMs, so each consumer runs several),
+  autocast with fp32 master weights.
 - mlp: fused_mlp's backward (act' in place on its own dh), TMA-ready shapes and not.
 - gated: gated_linear_act's forward epilogue and fused backward, packed weights and not; on
   Hopper the gated ping-pong forward (TMA-ready shapes, one with more tiles than SMs).
@@ -144,8 +145,10 @@ def _ws_control():
 
 
 def linear_act_cases(backend, dtype):
-    if backend == "triton" and dev == "cuda" and torch.cuda.get_device_capability()[0] == 9 and _ws_control():
-        case("triton gluon warp_specialize control", _ws_control())  # before the ping-pong GEMM's cases
+    control = _ws_control() if backend == "triton" and dev == "cuda" and torch.cuda.get_device_capability()[0] == 9 \
+        else None
+    if control:
+        case("triton gluon warp_specialize control", control)  # before the ping-pong GEMM's cases
     shapes = [(1, 13, 7), (5, 64, 24), (33, 13, 8), (63, 40, 127), (65, 72, 129), (70, 136, 200),
               (129, 72, 136), (2050, 64, 1032)]  # the last: 153 tiles of 128 x 128, more than an H200's SMs
     for m, k, n in shapes:
