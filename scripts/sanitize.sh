@@ -8,6 +8,7 @@
 #   SANITIZER_TOOLS="memcheck initcheck"  SANITIZER_BACKENDS="cuda"  SANITIZER_TIMEOUT=300
 #   SANITIZER_FAMILIES="norms gated"       (op families: norms norm_mixes linear_act mlp gated lce rotary)
 #   SANITIZER_JOBS=4                       (tool runs at once on the one GPU; 1 by default)
+#   RACECHECK_DTYPES="float16 bfloat16"    (racecheck runs float16 only by default)
 # memcheck, racecheck and synccheck run one process per op family (racecheck also one per
 # backend): all families in one process outlasted a 100 s cap under memcheck and racecheck.
 # SANITIZER_JOBS runs several of them side by side (each run's time then includes the others'
@@ -65,7 +66,7 @@ run() {  # run TOOL OPS BACKENDS...: OPS one family or several quoted
   local line
   line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|sanitize case" "$log" | tail -4 | tr '\n' ' ')
   [ "$rc" -ne 0 ] && line="$line(last case started: $(grep '^case ' "$log" | tail -1))"
-  { echo "$tool $ops [$*]${AMPKERNELS_TRITON_TMA:+ AMPKERNELS_TRITON_TMA=$AMPKERNELS_TRITON_TMA}: rc=$rc $((SECONDS - t0))s ${line:-no summary}"
+  { echo "$tool $ops [$*]${AMPKERNELS_TRITON_TMA:+ AMPKERNELS_TRITON_TMA=$AMPKERNELS_TRITON_TMA}${SANITIZER_DTYPES:+ ($SANITIZER_DTYPES)}: rc=$rc $((SECONDS - t0))s ${line:-no summary}"
     # error kind + the kernel it names, counted
     awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=$0} /^=========     at / && kind {print kind " | " substr($0, 1, 160); kind=""}' \
       "$log" | sort | uniq -c | sort -rn | head -8; } >"$part"
@@ -98,7 +99,11 @@ for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
       case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 start initcheck "$GEMM_OPS" triton ;; esac
     fi
   elif [ "$tool" = racecheck ]; then  # the slowest tool: one run per family and backend
-    for family in $FAMILIES; do for backend in $BACKENDS; do start racecheck "$family" "$backend"; done; done
+    # one 16-bit dtype: fp16 and bf16 kernels differ in their conversions only, not in what they
+    # keep in shared memory or how they synchronize (RACECHECK_DTYPES="float16 bfloat16": both)
+    for family in $FAMILIES; do for backend in $BACKENDS; do
+      SANITIZER_DTYPES=${RACECHECK_DTYPES:-float16} start racecheck "$family" "$backend"
+    done; done
   else
     for family in $FAMILIES; do start "$tool" "$family" $BACKENDS; done
   fi
