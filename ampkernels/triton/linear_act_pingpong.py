@@ -256,7 +256,8 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         # the flags reach the partitions as values, not constexprs (an assigned tuple's constexprs
-        # become tensors): GATED, which changes types, is read off the buffers' shapes there
+        # become tensors; the compiled code still folds them): GATED, which changes types, is read
+        # off the buffers' shapes there
         args = (x_desc, w_desc, w2_desc, y_desc, pre_desc, pre2_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn,
                 b_ptr, b2_ptr, M, N, K, ACT, HAS_BIAS, HAS_BIAS2, STORE_PRE, GROUP)
         gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, 1],
