@@ -258,5 +258,7 @@ if __name__ == "__main__":
         # PYTORCH_NO_CUDA_MEMORY_CACHING torch keeps no allocation statistics: memory_allocated reads 0)
         live = [t for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
         print(f"sanitize cases: {len(live)} CUDA tensors alive at exit, "
-              f"{sum(t.untyped_storage().nbytes() for t in live)} bytes: "
-              + ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in live[:20]), flush=True)
+              f"{sum(t.untyped_storage().nbytes() for t in live)} bytes", flush=True)
+        for t in live[:20]:  # and what holds each (the types of its referrers, the list above aside)
+            holders = [type(r).__name__ for r in gc.get_referrers(t) if r is not live]
+            print(f"  alive: {tuple(t.shape)} {t.dtype} held by {holders[:5]}", flush=True)
