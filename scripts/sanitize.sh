@@ -9,8 +9,9 @@
 #   SANITIZER_FAMILIES="norms gated"       (op families: norms norm_mixes linear_act mlp gated lce rotary)
 #   SANITIZER_JOBS=4                       (tool runs at once on the one GPU; 1 by default)
 #   RACECHECK_DTYPES="float16 bfloat16"    (racecheck runs float16 only by default)
-# memcheck, racecheck and synccheck run one process per op family (racecheck also one per
-# backend): all families in one process outlasted a 100 s cap under memcheck and racecheck.
+# memcheck, racecheck and synccheck run one process per op family and backend: all families in
+# one process outlasted a 100 s cap under memcheck and racecheck, the norms of both backends a
+# 120 s one under memcheck.
 # SANITIZER_JOBS runs several of them side by side (each run's time then includes the others'
 # load): memcheck and synccheck gain from it, racecheck much less (it keeps the GPU busy).
 # initcheck runs the norms (no cuBLAS involved: any report is ours) apart from the GEMM ops,
@@ -88,9 +89,11 @@ GEMM_OPS=$(for f in $FAMILIES; do case $f in norm*) ;; *) echo -n "$f " ;; esac;
 GEMM_OPS=${GEMM_OPS% }
 for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
   if [ "$tool" = initcheck ]; then
-    [ -n "$NORM_OPS" ] && start initcheck "$NORM_OPS" $BACKENDS
+    for backend in $BACKENDS; do
+      [ -n "$NORM_OPS" ] && start initcheck "$NORM_OPS" "$backend"
+      [ -n "$GEMM_OPS" ] && start initcheck "$GEMM_OPS" "$backend"
+    done
     if [ -n "$GEMM_OPS" ]; then
-      start initcheck "$GEMM_OPS" $BACKENDS
       start initcheck "$GEMM_OPS" torch
       # Triton with plain stores instead of TMA descriptors: if the tool misses TMA-store writes,
       # the reports of the Triton run above vanish here (but for the reads of what cuBLAS wrote,
@@ -98,14 +101,15 @@ for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
       # gated and cross-entropy kernels use no TMA
       case " $BACKENDS " in *" triton "*) AMPKERNELS_TRITON_TMA=0 start initcheck "$GEMM_OPS" triton ;; esac
     fi
-  elif [ "$tool" = racecheck ]; then  # the slowest tool: one run per family and backend
-    # one 16-bit dtype: fp16 and bf16 kernels differ in their conversions only, not in what they
-    # keep in shared memory or how they synchronize (RACECHECK_DTYPES="float16 bfloat16": both)
-    for family in $FAMILIES; do for backend in $BACKENDS; do
-      SANITIZER_DTYPES=${RACECHECK_DTYPES:-float16} start racecheck "$family" "$backend"
-    done; done
   else
-    for family in $FAMILIES; do start "$tool" "$family" $BACKENDS; done
+    # racecheck, the slowest tool, takes one 16-bit dtype: fp16 and bf16 kernels differ in their
+    # conversions only, not in what they keep in shared memory or how they synchronize
+    # (RACECHECK_DTYPES="float16 bfloat16": both)
+    dtypes=${SANITIZER_DTYPES:-}
+    [ "$tool" = racecheck ] && dtypes=${RACECHECK_DTYPES:-float16}
+    for family in $FAMILIES; do for backend in $BACKENDS; do
+      SANITIZER_DTYPES=$dtypes start "$tool" "$family" "$backend"
+    done; done
   fi
 done
 wait

@@ -217,7 +217,7 @@ def _gluon_on(backend):
 
 
 def _dtypes():
-    return [getattr(torch, d) for d in os.environ.get("SANITIZER_DTYPES", "float16 bfloat16").split()]
+    return [getattr(torch, d) for d in (os.environ.get("SANITIZER_DTYPES") or "float16 bfloat16").split()]
 
 
 def main(backends):
