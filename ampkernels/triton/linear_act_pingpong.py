@@ -74,6 +74,7 @@ if gluon is not None:
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = w_desc.block_type.shape[0]  # output columns a tile
         GATED: gl.constexpr = b_bufs.type.shape[1] != BN  # see _pingpong_kernel
+        WEIGHTS: gl.constexpr = 2 if GATED else 1  # weight tiles a ring slot holds
         NSTAGE: gl.constexpr = a_bufs.type.shape[0]
         num_m = gl.cdiv(M, BM)
         num_n = gl.cdiv(N, BN)
@@ -85,15 +86,13 @@ if gluon is not None:
                 slot = count % NSTAGE
                 mbarrier.wait(empty.index(slot), ((count // NSTAGE) & 1) ^ 1)  # the first pass finds it free
                 # out-of-bounds rows and the K tail are zero-filled by TMA
+                mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + WEIGHTS * w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [off_m, kk * BK], ready.index(slot), a_bufs.index(slot))
                 if GATED:  # the gate's rows over the slot's first half, the up projection's over the second
-                    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(x_desc, [off_m, kk * BK], ready.index(slot), a_bufs.index(slot))
                     b_slot = b_bufs.index(slot)
                     tma.async_copy_global_to_shared(w_desc, [off_n, kk * BK], ready.index(slot), b_slot.slice(0, BN))
                     tma.async_copy_global_to_shared(w2_desc, [off_n, kk * BK], ready.index(slot), b_slot.slice(BN, BN))
                 else:
-                    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(x_desc, [off_m, kk * BK], ready.index(slot), a_bufs.index(slot))
                     tma.async_copy_global_to_shared(w_desc, [off_n, kk * BK], ready.index(slot), b_bufs.index(slot))
                 count += 1
 
