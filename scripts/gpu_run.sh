@@ -25,6 +25,10 @@
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
 # GPU_CMD: a shell command run after the benchmarks (OUT exported; output in cmd.log, capped by
 # GPU_CMD_TIMEOUT seconds, 600 by default), e.g. a profile or a launch sweep.
+# GPU_BG_CMD: a shell command started right after the build, beside the tests, sanitizer and
+# benchmarks (output in bg.log, capped by GPU_BG_TIMEOUT seconds, 600 by default; waited for
+# before the summary): a check whose result is not a timing, e.g. the soak, in a call's spare
+# GPU time. Its own timings then include the others' load.
 # BENCH_SPREAD=1 on a machine with several GPUs runs the benchmark modules in parallel, one
 # process per module queued round-robin over the GPUs, rows merged. Off by default: the host load
 # of one process (autotuning, torch.compile) slows the other's host-bound rows.
@@ -72,6 +76,11 @@ if [ -d .wheels ]; then
   rc=$?; status+=("wheels: rc=$rc (build.log)"); tail -n 2 "$OUT/build.log"
 fi
 step doctor doctor.json $PY -m ampkernels doctor --json
+if [ -n "${GPU_BG_CMD:-}" ]; then
+  echo "== background: $GPU_BG_CMD"
+  timeout "${GPU_BG_TIMEOUT:-600}" bash -c "$GPU_BG_CMD" >"$OUT/bg.log" 2>&1 &
+  bg_pid=$! bg_t0=$SECONDS
+fi
 
 if [ "${GPU_TESTS:-tests}" != none ]; then
   # SIGINT at the cap: pytest then still reports the failures so far (a plain timeout kills it
@@ -123,6 +132,11 @@ if [ -n "${GPU_CMD:-}" ]; then
   step cmd cmd.log timeout "${GPU_CMD_TIMEOUT:-600}" bash -c "$GPU_CMD"
 fi
 
+if [ -n "${bg_pid:-}" ]; then
+  wait "$bg_pid"
+  status+=("background: rc=$? ($((SECONDS - bg_t0))s, bg.log)")
+  tail -n 5 "$OUT/bg.log"
+fi
 echo "== summary"
 printf '%s\n' "${status[@]}"
 grep -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1
