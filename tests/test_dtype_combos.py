@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import ampkernels
-from ampkernels import backends, reference
+from ampkernels import reference
 from tests.test_layer_norm import GRAD_FACTOR, _assert_column_sum_close, _xhat64
 from tests.utils import TOL, assert_rel_close, needs_triton_ops
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import ampkernels
-from ampkernels import backends, reference
+from ampkernels import reference
 from tests.conftest import input_seed
 from tests.test_dtype_combos import ALL, CPU_DTYPES, ISSUE_31, NormCombo, check_norm, norm_combos
 from tests.utils import TOL, needs_triton_ops, rel_err
