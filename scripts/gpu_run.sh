@@ -25,7 +25,7 @@
 # GPU_SANITIZE=1 runs scripts/sanitize.sh after the tests (SANITIZER_* variables pass on).
 # GPU_CMD: a shell command run after the benchmarks (OUT exported; output in cmd.log, capped by
 # GPU_CMD_TIMEOUT seconds, 600 by default), e.g. a profile or a launch sweep.
-# GPU_BG_CMD: a shell command started right after the build, beside the tests, sanitizer and
+# GPU_BG_CMD: a shell command started after the build and doctor, beside the tests, sanitizer and
 # benchmarks (output in bg.log, capped by GPU_BG_TIMEOUT seconds, 600 by default; waited for
 # before the summary): a check whose result is not a timing, e.g. the soak, in a call's spare
 # GPU time. Its own timings then include the others' load.
