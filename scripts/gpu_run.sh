@@ -12,9 +12,11 @@
 # GPU_TESTS: pytest paths/args for `pytest -m gpu` ("tests" by default, "none" skips; split on
 # spaces, so a -k expression there must be one word); GPU_TESTS_K: a -k expression of any length
 # (its words also match the names of the directories above the tests: use words only test names
-# have); GPU_TEST_WORKERS: pytest-xdist workers (12, handing out tests one at a time: the
-# tier's time goes to compiling kernels, on the host's cores; 0 runs in one process). The 15
-# slowest tests are listed at the end of tests.log, every test's time is in tests.xml.
+# have); GPU_TESTS_SHARD=K/N: the K-th of N shards of them (tests/conftest.py), so that a tier
+# longer than one call runs over N warm calls; GPU_TEST_WORKERS: pytest-xdist workers (12,
+# handing out tests one at a time: the tier's time goes to compiling kernels, on the host's
+# cores; 0 runs in one process). The 15 slowest tests are listed at the end of tests.log, every
+# test's time is in tests.xml.
 # GPU_BENCH: benchmark ops (ampkernels/bench/bench_<op>.py; "all" by default, "none" skips);
 # BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows; set it literally, from this side's git (the
@@ -51,6 +53,7 @@ step() {  # step NAME LOGFILE CMD...: run, log, remember the exit code
   local rc=$?
   status+=("$name: rc=$rc ($((SECONDS - t0))s, $log)")
   tail -n 5 "$OUT/$log"
+  echo "${status[-1]}"  # now, not only in the summary: a call cut at its limit still shows each step's time
   return $rc
 }
 
@@ -67,7 +70,18 @@ if [ "${GPU_JIT_CHECK:-0}" = 1 ]; then
   step jit_build jit.log env -C "$jit" PYTHONPATH="$jit" TORCH_EXTENSIONS_DIR="$jit/ext" $PY -c \
     "import ampkernels, torch; ok, why = ampkernels.available_backends()['cuda']; print(ampkernels.__file__, ok, why); assert ok and '(jit)' in why"
 fi
-step build build.log $PY -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${status[@]}"; exit 1; }
+# The editable install keeps _C in the checkout (an ignored path, which a warm device machine
+# keeps between calls), but pip compiles every source again each time, in a fresh build
+# directory: skip the build when the sources that go into _C are those of the last build here.
+sources_hash() { cat csrc/* setup.py pyproject.toml ampkernels/_build_env.py | sha256sum | cut -d' ' -f1; }
+stamp=build/gpu_run.stamp
+if [ "$(cat "$stamp" 2>/dev/null)" = "$(sources_hash)" ] && $PY -c "import ampkernels._C" 2>/dev/null; then
+  echo "== build: skipped, the installed _C was built here from these sources" | tee "$OUT/build.log"
+else
+  rm -f "$stamp"
+  step build build.log $PY -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${status[@]}"; exit 1; }
+  mkdir -p build && sources_hash >"$stamp"
+fi
 if [ -d .wheels ]; then
   # optional public benchmark providers carried as wheels (scripts/fetch_wheels.sh); logged into
   # build.log since at most 8 files come back; a failed install only loses those providers' rows
@@ -87,7 +101,8 @@ if [ "${GPU_TESTS:-tests}" != none ]; then
   # before it prints which example failed)
   # shellcheck disable=SC2086
   step tests tests.log timeout -s INT -k 60 "${TESTS_TIMEOUT:-3000}" $PY -m pytest -m gpu -q -p no:cacheprovider \
-    -n "${GPU_TEST_WORKERS:-12}" --dist worksteal --durations=15 --junitxml="$OUT/tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS:-tests}
+    -n "${GPU_TEST_WORKERS:-12}" --dist worksteal --durations=15 --junitxml="$OUT/tests.xml" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
+    ${GPU_TESTS_SHARD:+--shard "$GPU_TESTS_SHARD"} ${GPU_TESTS:-tests}
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
 fi
 if [ "${GPU_SANITIZE:-0}" = 1 ]; then

@@ -21,7 +21,29 @@ if HAS_CUDA:
     _extension.load()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N shards (1 <= K <= N): every N-th test of the collected order, "
+                          "so that the parametrizations of one test spread over the shards")
+
+
+def _shard(config, items):
+    spec = config.getoption("--shard")
+    if not spec:
+        return
+    try:
+        k, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard must be K/N with integers, got {spec!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard {spec}: K must be in 1..N")
+    keep = [item for i, item in enumerate(items) if i % n == k - 1]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
+    items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
