@@ -18,3 +18,4 @@ def test_soak_smoke_cpu(tmp_path):
     names = [c["check"] for c in summary["checks"]]
     assert "ampkernels: overflow at step 3 skipped" in names and "tail loss converted vs eager" in names
     assert "LayerNorm" in summary["runs"][1]["converted_modules"]
+    assert summary["gpu"] == summary["device"] and summary["torch"] and summary["commit"]  # the result's provenance
