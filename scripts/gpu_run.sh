@@ -77,6 +77,7 @@ sources_hash() { cat csrc/* setup.py pyproject.toml ampkernels/_build_env.py | s
 stamp=build/gpu_run.stamp
 if [ "$(cat "$stamp" 2>/dev/null)" = "$(sources_hash)" ] && $PY -c "import ampkernels._C" 2>/dev/null; then
   echo "== build: skipped, the installed _C was built here from these sources" | tee "$OUT/build.log"
+  status+=("build: skipped (sources unchanged since this machine's last build)")
 else
   rm -f "$stamp"
   step build build.log $PY -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${status[@]}"; exit 1; }
