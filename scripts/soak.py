@@ -225,7 +225,8 @@ def main(argv=None):
     ok = all(r[1] for r in results)
     from ampkernels.bench.common import environment
     summary = dict(ok=ok, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                   **environment(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), config=vars(args), overflow_steps=sorted(overflow_steps), runs=runs,
+                   **environment(), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), config=vars(args),
+                   overflow_steps=sorted(overflow_steps), runs=runs,
                    checks=[dict(check=n, ok=o, detail=d) for n, o, d in results])
     for r in runs:
         print(f"{r['name']}: {r['steps']} steps in {r['seconds']} s ({r['ms_per_step']} ms/step), loss "
