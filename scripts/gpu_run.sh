@@ -74,14 +74,14 @@ fi
 # keeps between calls), but pip compiles every source again each time, in a fresh build
 # directory: skip the build when the sources that go into _C are those of the last build here.
 sources_hash() { cat csrc/* setup.py pyproject.toml ampkernels/_build_env.py | sha256sum | cut -d' ' -f1; }
-stamp=build/gpu_run.stamp
-if [ "$(cat "$stamp" 2>/dev/null)" = "$(sources_hash)" ] && $PY -c "import ampkernels._C" 2>/dev/null; then
+stamp=build/gpu_run.stamp sources=$(sources_hash)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$sources" ] && $PY -c "import ampkernels._C" 2>/dev/null; then
   echo "== build: skipped, the installed _C was built here from these sources" | tee "$OUT/build.log"
   status+=("build: skipped (sources unchanged since this machine's last build)")
 else
   rm -f "$stamp"
   step build build.log $PY -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${status[@]}"; exit 1; }
-  mkdir -p build && sources_hash >"$stamp"
+  mkdir -p build && echo "$sources" >"$stamp"
 fi
 if [ -d .wheels ]; then
   # optional public benchmark providers carried as wheels (scripts/fetch_wheels.sh); logged into

@@ -37,9 +37,8 @@ def _shard(config, items):
         raise pytest.UsageError(f"--shard must be K/N with integers, got {spec!r}") from None
     if not 1 <= k <= n:
         raise pytest.UsageError(f"--shard {spec}: K must be in 1..N")
-    keep = [item for i, item in enumerate(items) if i % n == k - 1]
     config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
-    items[:] = keep
+    items[:] = items[k - 1::n]
 
 
 def pytest_collection_modifyitems(config, items):
