@@ -45,8 +45,11 @@
 // - norm_bwd_looped_kernel (longer rows): two passes per row, partial sums kept in the block's
 //   own partial row in global memory.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
 
 #include "activations.cuh"
 
@@ -1015,13 +1018,60 @@ cudaError_t dispatch_iters(int iters, F&& f) {
 
 size_t bwd_smem(const TileConfig& c) { return size_t(2 * c.iters * c.vec + 1) * c.threads * sizeof(float); }
 
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor, remembered per (kernel, device, threads, dynamic
+// shared memory): the answer never changes (the kernels' attributes are set to one value per
+// device before their first query), and the query is host time on every backward call.
+cudaError_t occupancy(const void* kernel, int threads, size_t smem, int* per_sm) {
+  struct Key {
+    const void* kernel;
+    int device, threads;
+    size_t smem;
+    bool operator==(const Key& o) const {
+      return kernel == o.kernel && device == o.device && threads == o.threads && smem == o.smem;
+    }
+  };
+  struct Hash {
+    size_t operator()(const Key& k) const {
+      return std::hash<const void*>()(k.kernel) ^ (size_t(k.device) << 48) ^ (size_t(k.threads) << 32) ^ k.smem;
+    }
+  };
+  static std::mutex mutex;
+  static std::unordered_map<Key, int, Hash> known;
+  Key key{kernel, 0, threads, smem};
+  cudaError_t err = cudaGetDevice(&key.device);
+  if (err != cudaSuccess) return err;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto it = known.find(key);
+    if (it != known.end()) {
+      *per_sm = it->second;
+      return cudaSuccess;
+    }
+  }
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem);
+  if (err != cudaSuccess) return err;
+  const std::lock_guard<std::mutex> lock(mutex);
+  known.emplace(key, *per_sm);
+  return cudaSuccess;
+}
+
+// Whether `done` (one bit per device, up to 64) marks the current device; sets the bit when
+// `mark`. Kernel attributes that take one value per device are set once, not on every call.
+bool device_marked(std::atomic<uint64_t>& done, bool mark = false) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
+  const uint64_t bit = uint64_t(1) << device;
+  if (mark) done.fetch_or(bit);
+  return (done.load() & bit) != 0;
+}
+
 // Blocks of the persistent backward: as many as fit on the GPU at once, never more than there
 // are row groups. Also sets the kernel's shared-memory limit when it needs more than 48 KiB.
 cudaError_t bwd_blocks(const NormBackwardArgs& a, int num_sms, const TileConfig& c, int* blocks) {
   int per_sm = 0;
   cudaError_t err = dispatch_vec(a.x_dtype, c.vec, [&]<typename T, int kVec>() {
     if (c.iters == 0) {
-      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, norm_bwd_looped_kernel<T, kVec>, c.threads, 0);
+      return occupancy(reinterpret_cast<const void*>(norm_bwd_looped_kernel<T, kVec>), c.threads, 0, &per_sm);
     }
     return dispatch_iters(c.iters, [&]<int kIters>() -> cudaError_t {
       if constexpr (kIters > kBwdMaxIters) {
@@ -1033,7 +1083,7 @@ cudaError_t bwd_blocks(const NormBackwardArgs& a, int num_sms, const TileConfig&
           const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
           if (e != cudaSuccess) return e;
         }
-        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, c.threads, smem);
+        return occupancy(reinterpret_cast<const void*>(kernel), c.threads, smem, &per_sm);
       }
     });
   });
@@ -1118,16 +1168,23 @@ cudaError_t dispatch_pipe(DType x_dtype, int iters, F&& f) {
 
 // Opens the kernel's shared-memory limit (and prefers shared memory over L1: the kernel streams
 // through shared memory and keeps its weight in registers); per_sm (optional): blocks per SM.
+// Both attributes take one value per device (smem_limit is the instantiation's), so they are set
+// at its first call on a device.
 template <typename T, int kIters>
 cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
   const auto kernel = norm_bwd_pipe_kernel<T, kIters>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
-  if (err == cudaSuccess) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               int(cudaSharedmemCarveoutMaxShared));
+  static std::atomic<uint64_t> prepared{0};
+  cudaError_t err = cudaSuccess;
+  if (!device_marked(prepared)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
+    if (err == cudaSuccess) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 int(cudaSharedmemCarveoutMaxShared));
+    }
+    if (err == cudaSuccess) device_marked(prepared, true);
   }
   if (err == cudaSuccess && per_sm != nullptr) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, c.threads, c.smem);
+    err = occupancy(reinterpret_cast<const void*>(kernel), c.threads, c.smem, per_sm);
   }
   return err;
 }

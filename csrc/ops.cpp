@@ -320,18 +320,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd(
   a.is_rms = is_rms;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AMPK_CHECK_CUDA(norm_backward_blocks(a, num_sms(), &a.num_blocks));
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor dw_partial = at::empty({want_dweight ? a.num_blocks : 0, cols}, f32);
-  at::Tensor db_partial = at::empty({want_dbias ? a.num_blocks : 0, cols}, f32);
-  a.dweight_partial = want_dweight ? dw_partial.data_ptr<float>() : nullptr;
-  a.dbias_partial = want_dbias ? db_partial.data_ptr<float>() : nullptr;
   at::Tensor dweight = at::empty({want_dweight ? cols : 0}, x.options().dtype(grad_param_t));
   at::Tensor dbias = at::empty({want_dbias ? cols : 0}, x.options().dtype(grad_param_t));
+  // One block (few rows) with fp32 parameter grads: its partial row is the gradient, written in
+  // place, with no partials buffer and no reduce kernel (host time that small calls are made of).
+  // Otherwise one fp32 buffer holds both partials (dweight's rows, then dbias's).
+  const bool direct = a.num_blocks == 1 && grad_param_t == at::kFloat;
+  at::Tensor partials;
+  if (direct) {
+    a.dweight_partial = want_dweight ? dweight.data_ptr<float>() : nullptr;
+    a.dbias_partial = want_dbias ? dbias.data_ptr<float>() : nullptr;
+  } else {
+    const int64_t per = int64_t(a.num_blocks) * cols;
+    partials = at::empty({(int64_t(want_dweight) + int64_t(want_dbias)) * per}, x.options().dtype(at::kFloat));
+    a.dweight_partial = want_dweight ? partials.data_ptr<float>() : nullptr;
+    a.dbias_partial = want_dbias ? partials.data_ptr<float>() + (want_dweight ? per : 0) : nullptr;
+  }
   AMPK_CHECK_CUDA(norm_backward(a, stream));
   if (rows == 0) {  // no rows: the grads of the params are sums over nothing
     dweight.zero_();
     dbias.zero_();
-  } else {
+  } else if (!direct) {
     AMPK_CHECK_CUDA(norm_reduce_partials(a.dweight_partial, a.dbias_partial,
                                          want_dweight ? dweight.data_ptr() : nullptr,
                                          want_dbias ? dbias.data_ptr() : nullptr, grad_param_dtype, a.num_blocks,

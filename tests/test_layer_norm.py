@@ -904,6 +904,19 @@ def test_gpu_strided_misaligned_and_3d(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("is_rms", [False, True])
+@pytest.mark.parametrize("dtype,pdtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                          (torch.float16, torch.float16)])
+def test_gpu_few_and_many_rows_param_grads(is_rms, dtype, pdtype):
+    # the cuda backward writes fp32 parameter grads of a one-block call in place (no partials,
+    # no reduce kernel), and keeps both partials of a larger call in one buffer
+    for m, n in ((1, 256), (3, 256), (8, 256), (5, 1000), (2, 4096), (2, 20000), (300, 256), (1000, 1000)):
+        x, w, b = _inputs(m, n, dtype, "cuda", pdtype, lead=(2,) if m == 3 else ())
+        _check(is_rms, x, w, b, "cuda")
+        _check(is_rms, x, w, None, "cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("n", [1024, 8192, 65536])
 def test_gpu_param_grads_bitwise_repeatable(backend, n):
