@@ -54,6 +54,7 @@ echo "warm-up (the cases without the tool, compiling the Triton kernels): $((SEC
   | tee -a "$summary"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1  # let the tool see each allocation's real bounds
 JOBS=${SANITIZER_JOBS:-1}
+CUBLAS_KERNELS="nvjet_|xmma|cutlass|gemv|gemmk|splitKreduce"
 SEQ=0
 run() {  # run TOOL OPS BACKENDS...: OPS one family or several quoted
   local tool=$1 ops=$2; shift 2
@@ -68,9 +69,13 @@ run() {  # run TOOL OPS BACKENDS...: OPS one family or several quoted
   line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|sanitize case" "$log" | tail -4 | tr '\n' ' ')
   [ "$rc" -ne 0 ] && line="$line(last case started: $(grep '^case ' "$log" | tail -1))"
   { echo "$tool $ops [$*]${AMPKERNELS_TRITON_TMA:+ AMPKERNELS_TRITON_TMA=$AMPKERNELS_TRITON_TMA}${SANITIZER_DTYPES:+ ($SANITIZER_DTYPES)}: rc=$rc $((SECONDS - t0))s ${line:-no summary}"
-    # error kind + the kernel it names, counted
-    awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=$0} /^=========     at / && kind {print kind " | " substr($0, 1, 160); kind=""}' \
-      "$log" | sort | uniq -c | sort -rn | head -8; } >"$part"
+    # each report: its kind and the kernel(s) it names (racecheck: both accesses), counted; then
+    # how many name cuBLAS's kernels (nvjet, xmma, cutlass, gemv: in the eager control as well)
+    awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=substr($0, 1, 160)}
+         /^=========     (at|and) / && kind {print kind " | " substr($0, 1, 160); kind=""}' "$log" >"$log.reports"
+    sort "$log.reports" | uniq -c | sort -rn | head -8
+    echo "  reports: $(wc -l <"$log.reports"), naming cuBLAS's kernels: $(grep -cE "$CUBLAS_KERNELS" "$log.reports")"
+    rm -f "$log.reports"; } >"$part"
   cat "$part"
   cat "$part" >>"$summary"  # one short append: whole even with runs finishing side by side
 }

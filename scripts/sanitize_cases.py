@@ -25,8 +25,9 @@ ampkernels/triton/layer_norm.py):
   the Gluon kernels at every row length they take (SANITIZER_GLUON=0 skips that).
 - norm_mixes, the norms' dtype mixes: a pairwise cover of tests/test_dtype_combos.py's grid and issue 31's
   crash (16-bit x, fp32 residual kept in fp32, 16-bit weight/bias) by name.
-- linear_act: on Hopper first a minimal Gluon warp_specialize kernel, a control for racecheck's
-  reports on the ping-pong GEMM (docs/reliability.md); the dz pass (act' backward and the dbias
+- linear_act: on Hopper first two Gluon warp_specialize kernels (a minimal one and one with the
+  ping-pong GEMM's warps and registers), controls for racecheck's reports on the ping-pong GEMM
+  (docs/reliability.md); the dz pass (act' backward and the dbias
   partials; tiles of 64 x 128 on a GPU: M, N at 63/65 and 127/129), the pointer and TMA
   forwards, on Hopper the ping-pong GEMM (AMPKERNELS_TRITON_AUTOTUNE=0 makes it the TMA-ready
   shapes' kernel: K and N multiples of 8; more tiles than SMs, so each consumer runs several),
@@ -45,6 +46,7 @@ memcheck's leak check would otherwise count the module-level tensors still alive
 import gc
 import os
 import sys
+import types
 
 import torch
 
@@ -113,42 +115,48 @@ def _activations(backend, every):
     return ampkernels.ACTIVATIONS if backend != "triton" or every else ("gelu_tanh",)
 
 
-def _ws_control():
-    """A minimal Gluon warp_specialize kernel, or None without Gluon's Hopper API: its partitions
-    share no memory and write disjoint ranges of out, so any racecheck report on it comes from the
-    lowering's own handshake (the switch loop's partition state), not from a kernel's buffers."""
+def _ws_controls():
+    """Two Gluon warp_specialize kernels whose partitions share no memory and write disjoint
+    ranges of out, or [] without Gluon's Hopper API: any racecheck report on them comes from the
+    lowering's own handshake (the switch loop's partition state), not from a kernel's buffers.
+    The minimal one has one worker warp; the ping-pong-shaped one has the ping-pong GEMM's warps
+    (4 default, workers of 4 and 1, 12 in the block), register split and in-partition barriers."""
     from ampkernels.triton import linear_act_pingpong as pp
     if not pp.available():
-        return None
+        return []
     gluon, gl = pp.gluon, pp.gl
 
     @gluon.jit
-    def _ws_default(out):
-        offs = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        gl.store(out + offs, offs + 1)
+    def _ws_part(out, START: gl.constexpr, WARPS: gl.constexpr):
+        offs = gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+        gl.store(out + START + offs, offs + START)
+        gl.thread_barrier()  # a barrier within the partition, as the GEMM's consumers have
+        gl.store(out + START + offs, offs + START + 1)
 
     @gluon.jit
-    def _ws_worker(out):
-        offs = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        gl.store(out + 128 + offs, offs + 1000)
+    def _ws_minimal_kernel(out):
+        gl.warp_specialize([(_ws_part, (out, 0, 4)), (_ws_part, (out, 128, 1))], [1], [24])
 
     @gluon.jit
-    def _ws_control_kernel(out):
-        gl.warp_specialize([(_ws_default, (out,)), (_ws_worker, (out,))], [1], [24])
+    def _ws_pingpong_shaped_kernel(out, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        gl.warp_specialize([(_ws_part, (out, 0, 4)), (_ws_part, (out, 128, 4)), (_ws_part, (out, 256, 1))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
-    def run():
-        out = torch.zeros(160, dtype=torch.int32, device=dev)
-        _ws_control_kernel[(2,)](out, num_warps=4)
-        want = torch.cat([torch.arange(1, 129), torch.arange(1000, 1032)]).to(out)
-        assert torch.equal(out, want), "warp_specialize control: wrong output"
-    return run
+    def check(launch, n):
+        out = torch.zeros(n, dtype=torch.int32, device=dev)
+        launch(out)
+        assert torch.equal(out, torch.arange(1, n + 1).to(out)), "warp_specialize control: wrong output"
+
+    return [("minimal", lambda: check(lambda out: _ws_minimal_kernel[(2,)](out, num_warps=4), 160)),
+            ("ping-pong-shaped", lambda: check(lambda out: _ws_pingpong_shaped_kernel[(2,)](
+                out, CONSUMER_REGS=pp.CONSUMER_REGS, PRODUCER_REGS=pp.PRODUCER_REGS, num_warps=4,
+                maxnreg=pp.MAXNREG), 288))]
 
 
 def linear_act_cases(backend, dtype):
-    control = _ws_control() if backend == "triton" and dev == "cuda" and torch.cuda.get_device_capability()[0] == 9 \
-        else None
-    if control:
-        case("triton gluon warp_specialize control", control)  # before the ping-pong GEMM's cases
+    if backend == "triton" and dev == "cuda" and torch.cuda.get_device_capability()[0] == 9:
+        for name, control in _ws_controls():  # before the ping-pong GEMM's cases
+            case(f"triton gluon warp_specialize control, {name}", control)
     shapes = [(1, 13, 7), (5, 64, 24), (33, 13, 8), (63, 40, 127), (65, 72, 129), (70, 136, 200),
               (129, 72, 136), (2050, 64, 1032)]  # the last: 153 tiles of 128 x 128, more than an H200's SMs
     for m, k, n in shapes:
@@ -249,16 +257,51 @@ def main(backends):
         print(f"sanitize cases done: {backend} ({CASES[0]} cases so far)", flush=True)
 
 
+def _describe(obj):
+    if isinstance(obj, types.FrameType):
+        return f"frame {obj.f_code.co_name} ({os.path.basename(obj.f_code.co_filename)}:{obj.f_lineno})"
+    if isinstance(obj, dict) and "__name__" in obj:
+        return f"dict (globals of {obj['__name__']})"
+    return type(obj).__name__
+
+
+def report_alive():
+    """The CUDA tensors Python still holds at exit, which memcheck's leak list includes (under
+    PYTORCH_NO_CUDA_MEMORY_CACHING torch keeps no allocation statistics: memory_allocated reads 0):
+    what refers to each, and for the frames among those (a frame outlives its call only while
+    something holds it) the chain of referrers up from the frame to what keeps it."""
+    gc.collect()
+    torch.cuda.synchronize()
+    live = [t for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
+    print(f"sanitize cases: {len(live)} CUDA tensors alive at exit, "
+          f"{sum(t.untyped_storage().nbytes() for t in live)} bytes", flush=True)
+    frames = []
+    own = {id(live), id(frames), id(sys._getframe())}  # this function's own references, left out below
+
+    def referrers(obj):  # those of obj, without the lists this function makes
+        refs = gc.get_referrers(obj)
+        kept = [r for r in refs if id(r) not in own]
+        own.update((id(refs), id(kept)))
+        return kept
+
+    for i in range(min(len(live), 12)):
+        holders = referrers(live[i])
+        frames += [r for r in holders if isinstance(r, types.FrameType) and r not in frames]
+        print(f"  alive: {tuple(live[i].shape)} {live[i].dtype} held by {[_describe(r) for r in holders[:6]]}",
+              flush=True)
+    del frames[3:]
+    for frame in frames:
+        chain, obj = [], frame
+        for _ in range(8):  # up the referrers that are not frames (a callee's f_back refers to its caller)
+            obj = next((r for r in referrers(obj) if not isinstance(r, types.FrameType)), None)
+            if obj is None:
+                break
+            chain.append(_describe(obj))
+        why = " <- ".join(chain) or "frames only (its callees' f_back), or nothing Python sees"
+        print(f"  {_describe(frame)} kept by: {why}", flush=True)
+
+
 if __name__ == "__main__":
     main(sys.argv[1:] or ["cuda", "triton"])
-    gc.collect()
     if dev == "cuda":
-        torch.cuda.synchronize()
-        # the CUDA tensors Python still holds, which memcheck's leak list at exit includes (under
-        # PYTORCH_NO_CUDA_MEMORY_CACHING torch keeps no allocation statistics: memory_allocated reads 0)
-        live = [t for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
-        print(f"sanitize cases: {len(live)} CUDA tensors alive at exit, "
-              f"{sum(t.untyped_storage().nbytes() for t in live)} bytes", flush=True)
-        for t in live[:20]:  # and what holds each (the types of its referrers, the list above aside)
-            holders = [type(r).__name__ for r in gc.get_referrers(t) if r is not live]
-            print(f"  alive: {tuple(t.shape)} {t.dtype} held by {holders[:5]}", flush=True)
+        report_alive()
