@@ -8,6 +8,8 @@
 #   SANITIZER_TOOLS="memcheck initcheck"  SANITIZER_BACKENDS="cuda"  SANITIZER_TIMEOUT=300
 #   SANITIZER_FAMILIES="norms gated"       (op families: norms norm_mixes linear_act mlp gated lce rotary)
 #   SANITIZER_JOBS=4                       (tool runs at once on the one GPU; 1 by default)
+#   SANITIZER_SHARDS=2                     (memcheck/racecheck/synccheck: processes per family and
+#                                           backend, each running every 2nd case; 1 by default)
 #   RACECHECK_DTYPES="float16 bfloat16"    (racecheck runs float16 only by default)
 # memcheck, racecheck and synccheck run one process per op family and backend: all families in
 # one process outlasted a 100 s cap under memcheck and racecheck, the norms of both backends a
@@ -58,7 +60,8 @@ CUBLAS_KERNELS="nvjet_|xmma|cutlass|gemv|gemmk|splitKreduce"
 SEQ=0
 run() {  # run TOOL OPS BACKENDS...: OPS one family or several quoted
   local tool=$1 ops=$2; shift 2
-  local log="$logs/$tool-${ops// /+}-${*// /-}${AMPKERNELS_TRITON_TMA:+-tma$AMPKERNELS_TRITON_TMA}.log" extra="" t0=$SECONDS
+  local log="$logs/$tool-${ops// /+}-${*// /-}${AMPKERNELS_TRITON_TMA:+-tma$AMPKERNELS_TRITON_TMA}${SANITIZER_SHARD:+-shard${SANITIZER_SHARD/\//of}}.log"
+  local extra="" t0=$SECONDS
   local part="$logs/summary-$SEQ.txt"
   [ "$tool" = memcheck ] && extra="--leak-check full"
   [ "$tool" = initcheck ] && extra="--print-limit 1000000 --show-backtrace no"  # count every report
@@ -68,7 +71,7 @@ run() {  # run TOOL OPS BACKENDS...: OPS one family or several quoted
   local line
   line=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY|sanitize case" "$log" | tail -4 | tr '\n' ' ')
   [ "$rc" -ne 0 ] && line="$line(last case started: $(grep '^case ' "$log" | tail -1))"
-  { echo "$tool $ops [$*]${AMPKERNELS_TRITON_TMA:+ AMPKERNELS_TRITON_TMA=$AMPKERNELS_TRITON_TMA}${SANITIZER_DTYPES:+ ($SANITIZER_DTYPES)}: rc=$rc $((SECONDS - t0))s ${line:-no summary}"
+  { echo "$tool $ops [$*]${AMPKERNELS_TRITON_TMA:+ AMPKERNELS_TRITON_TMA=$AMPKERNELS_TRITON_TMA}${SANITIZER_DTYPES:+ ($SANITIZER_DTYPES)}${SANITIZER_SHARD:+ shard $SANITIZER_SHARD}: rc=$rc $((SECONDS - t0))s ${line:-no summary}"
     # each report: its kind and the kernel(s) it names (racecheck: both accesses), counted; then
     # how many name cuBLAS's kernels (nvjet, xmma, cutlass, gemv: in the eager control as well)
     awk '/^========= [A-Z]/ && !/COMPUTE-SANITIZER|SUMMARY/ {kind=substr($0, 1, 160)}
@@ -112,9 +115,11 @@ for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
     # (RACECHECK_DTYPES="float16 bfloat16": both)
     dtypes=${SANITIZER_DTYPES:-}
     [ "$tool" = racecheck ] && dtypes=${RACECHECK_DTYPES:-float16}
-    for family in $FAMILIES; do for backend in $BACKENDS; do
-      SANITIZER_DTYPES=$dtypes start "$tool" "$family" "$backend"
-    done; done
+    shards=${SANITIZER_SHARDS:-1}
+    for family in $FAMILIES; do for backend in $BACKENDS; do for ((i = 0; i < shards; i++)); do
+      shard=""; [ "$shards" -gt 1 ] && shard=$i/$shards
+      SANITIZER_SHARD=$shard SANITIZER_DTYPES=$dtypes start "$tool" "$family" "$backend"
+    done; done; done
   fi
 done
 wait
