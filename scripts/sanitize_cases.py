@@ -282,12 +282,13 @@ def report_alive():
     live = [t for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
     print(f"sanitize cases: {len(live)} CUDA tensors alive at exit, "
           f"{sum(t.untyped_storage().nbytes() for t in live)} bytes", flush=True)
-    frames = []
-    own = {id(live), id(frames), id(sys._getframe())}  # this function's own references, left out below
+    frames, made = [], []  # made: the lists this function makes, kept alive so that their ids stay theirs
+    own = {id(live), id(frames), id(made), id(sys._getframe())}  # its own references, left out below
 
-    def referrers(obj):  # those of obj, without the lists this function makes
+    def referrers(obj):
         refs = gc.get_referrers(obj)
         kept = [r for r in refs if id(r) not in own]
+        made.extend((refs, kept))
         own.update((id(refs), id(kept)))
         return kept
 
