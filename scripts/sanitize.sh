@@ -116,8 +116,8 @@ for tool in ${SANITIZER_TOOLS:-memcheck racecheck initcheck synccheck}; do
     dtypes=${SANITIZER_DTYPES:-}
     [ "$tool" = racecheck ] && dtypes=${RACECHECK_DTYPES:-float16}
     shards=${SANITIZER_SHARDS:-1}
-    for family in $FAMILIES; do for backend in $BACKENDS; do for ((i = 0; i < shards; i++)); do
-      shard=""; [ "$shards" -gt 1 ] && shard=$i/$shards
+    for family in $FAMILIES; do for backend in $BACKENDS; do for ((k = 1; k <= shards; k++)); do
+      shard=""; [ "$shards" -gt 1 ] && shard=$k/$shards
       SANITIZER_SHARD=$shard SANITIZER_DTYPES=$dtypes start "$tool" "$family" "$backend"
     done; done; done
   fi

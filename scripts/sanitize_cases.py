@@ -2,7 +2,7 @@
 for compute-sanitizer (scripts/sanitize.sh). Small row counts keep racecheck's run short.
 
     [SANITIZER_DTYPES="bfloat16 float16"] [SANITIZER_OPS="norms norm_mixes linear_act mlp gated lce rotary"] \
-        [SANITIZER_SHARD=i/n] python scripts/sanitize_cases.py [cuda] [triton] [torch]
+        [SANITIZER_SHARD=K/N] python scripts/sanitize_cases.py [cuda] [triton] [torch]
 
 Every output and gradient is checked against float64 autograd with the tests' checks
 (tests/test_dtype_combos.check_norm, tests/test_fuzz.check_linear_act / check_mlp: values,
@@ -63,14 +63,15 @@ dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: "torch" only, to tr
 F32 = torch.float32
 CASES = [0]
 SEEN = [0]
-# SANITIZER_SHARD="i/n": run the cases whose index is i modulo n (the kernels and shapes of a split
-# family are the same; the random data differs, as the skipped cases' checks draw none)
-SHARD = tuple(int(v) for v in (os.environ.get("SANITIZER_SHARD") or "0/1").split("/"))
+# SANITIZER_SHARD="K/N" (as pytest's --shard in tests/conftest.py): run every N-th case from the
+# K-th (the kernels and shapes of a split family are the same; the random data differs, as the
+# skipped cases' checks draw none)
+SHARD_K, SHARD_N = (int(v) for v in (os.environ.get("SANITIZER_SHARD") or "1/1").split("/"))
 
 
 def case(name, fn, *args, **kw):
     SEEN[0] += 1
-    if (SEEN[0] - 1) % SHARD[1] != SHARD[0]:
+    if (SEEN[0] - 1) % SHARD_N != SHARD_K - 1:
         return
     print(f"case {CASES[0]}: {name}", flush=True)  # where a process the tool kills had got to
     try:
