@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "activations.cuh"
+#include "host_cache.cuh"
 
 namespace ampk {
 namespace {
@@ -164,10 +165,10 @@ cudaError_t bias_act_backward_chunks(int64_t rows, int64_t cols, DType dtype, Ac
       constexpr int kWide = 16 / sizeof(T);
       const bool vec = cols % kWide == 0;
       int per_sm = 0;
-      const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &per_sm, vec ? bias_act_backward_kernel<T, A, kWide, kBackwardUnroll>
-                       : bias_act_backward_kernel<T, A, 1, kBackwardUnroll>,
-          kStripVecs * kStripRows, 0);
+      const cudaError_t err = occupancy(
+          vec ? reinterpret_cast<const void*>(bias_act_backward_kernel<T, A, kWide, kBackwardUnroll>)
+              : reinterpret_cast<const void*>(bias_act_backward_kernel<T, A, 1, kBackwardUnroll>),
+          kStripVecs * kStripRows, 0, &per_sm);
       const int64_t strip = int64_t(kStripVecs) * (vec ? kWide : 1);
       const int64_t strips = (cols + strip - 1) / strip;
       const int64_t resident = int64_t(std::max(per_sm, 1)) * num_sms;

@@ -47,11 +47,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <mutex>
 #include <type_traits>
-#include <unordered_map>
 
 #include "activations.cuh"
+#include "host_cache.cuh"
 
 namespace ampk {
 namespace {
@@ -1018,53 +1017,6 @@ cudaError_t dispatch_iters(int iters, F&& f) {
 
 size_t bwd_smem(const TileConfig& c) { return size_t(2 * c.iters * c.vec + 1) * c.threads * sizeof(float); }
 
-// cudaOccupancyMaxActiveBlocksPerMultiprocessor, remembered per (kernel, device, threads, dynamic
-// shared memory): the answer never changes (the kernels' attributes are set to one value per
-// device before their first query), and the query is host time on every backward call.
-cudaError_t occupancy(const void* kernel, int threads, size_t smem, int* per_sm) {
-  struct Key {
-    const void* kernel;
-    int device, threads;
-    size_t smem;
-    bool operator==(const Key& o) const {
-      return kernel == o.kernel && device == o.device && threads == o.threads && smem == o.smem;
-    }
-  };
-  struct Hash {
-    size_t operator()(const Key& k) const {
-      return std::hash<const void*>()(k.kernel) ^ (size_t(k.device) << 48) ^ (size_t(k.threads) << 32) ^ k.smem;
-    }
-  };
-  static std::mutex mutex;
-  static std::unordered_map<Key, int, Hash> known;
-  Key key{kernel, 0, threads, smem};
-  cudaError_t err = cudaGetDevice(&key.device);
-  if (err != cudaSuccess) return err;
-  {
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto it = known.find(key);
-    if (it != known.end()) {
-      *per_sm = it->second;
-      return cudaSuccess;
-    }
-  }
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem);
-  if (err != cudaSuccess) return err;
-  const std::lock_guard<std::mutex> lock(mutex);
-  known.emplace(key, *per_sm);
-  return cudaSuccess;
-}
-
-// Whether `done` (one bit per device, up to 64) marks the current device; sets the bit when
-// `mark`. Kernel attributes that take one value per device are set once, not on every call.
-bool device_marked(std::atomic<uint64_t>& done, bool mark = false) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
-  const uint64_t bit = uint64_t(1) << device;
-  if (mark) done.fetch_or(bit);
-  return (done.load() & bit) != 0;
-}
-
 // Blocks of the persistent backward: as many as fit on the GPU at once, never more than there
 // are row groups. Also sets the kernel's shared-memory limit when it needs more than 48 KiB.
 cudaError_t bwd_blocks(const NormBackwardArgs& a, int num_sms, const TileConfig& c, int* blocks) {
@@ -1078,12 +1030,21 @@ cudaError_t bwd_blocks(const NormBackwardArgs& a, int num_sms, const TileConfig&
         return cudaErrorInvalidConfiguration;
       } else {
         const auto kernel = norm_bwd_kernel<T, kVec, kIters>;
-        const size_t smem = bwd_smem(c);
-        if (smem > 48 * 1024) {
-          const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-          if (e != cudaSuccess) return e;
-        }
-        return occupancy(reinterpret_cast<const void*>(kernel), c.threads, smem, &per_sm);
+        // the limit of the instantiation's largest block (kBwdMaxGroup threads), set once per
+        // device: a per-call value could shrink it under another host thread's launch
+        static std::atomic<uint64_t> prepared{0};
+        const cudaError_t e = once_per_device(prepared, [&] {
+          int device = 0, optin = 0;
+          cudaError_t r = cudaGetDevice(&device);
+          if (r == cudaSuccess) r = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+          const size_t most = std::min(bwd_smem(TileConfig{kVec, 0, kIters, kBwdMaxGroup}), size_t(optin));
+          if (r == cudaSuccess && most > 48 * 1024) {
+            r = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most));
+          }
+          return r;
+        });
+        if (e != cudaSuccess) return e;
+        return occupancy(reinterpret_cast<const void*>(kernel), c.threads, bwd_smem(c), &per_sm);
       }
     });
   });
@@ -1174,15 +1135,11 @@ template <typename T, int kIters>
 cudaError_t pipe_prepare(const PipeConfig& c, int* per_sm) {
   const auto kernel = norm_bwd_pipe_kernel<T, kIters>;
   static std::atomic<uint64_t> prepared{0};
-  cudaError_t err = cudaSuccess;
-  if (!device_marked(prepared)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
-    if (err == cudaSuccess) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 int(cudaSharedmemCarveoutMaxShared));
-    }
-    if (err == cudaSuccess) device_marked(prepared, true);
-  }
+  cudaError_t err = once_per_device(prepared, [&] {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(c.smem_limit));
+    return e != cudaSuccess ? e : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                       int(cudaSharedmemCarveoutMaxShared));
+  });
   if (err == cudaSuccess && per_sm != nullptr) {
     err = occupancy(reinterpret_cast<const void*>(kernel), c.threads, c.smem, per_sm);
   }
