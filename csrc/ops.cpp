@@ -1748,9 +1748,9 @@ PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
 // AMPKERNELS_BACKEND unset/auto/cuda, deterministic algorithms off, and "auto" choosing the cuda
 // kernels: the key below not in not_cuda_first (a dict the op's Python builds from its table,
 // ops/shared.py gemm_entry_key: key -> whether torch comes first), buckets = (tiny_below,
-// small_below, medium_below) of M*N*K. For linear_act a torch-first cell runs here too, as the Python path
-// runs it (F.linear, then the activation, with torch's autograd nodes); the other ops decline
-// it. Anything else is NotImplemented: the caller then validates and decides in full.
+// small_below, medium_below) of M*N*K. For linear_act a torch-first cell runs here too, as the
+// Python path runs it (F.linear, then the activation, with torch's autograd nodes); the other
+// ops decline it. Anything else is NotImplemented: the caller then validates and decides in full.
 using GemmLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
                                 std::optional<at::ScalarType>, bool, c10::string_view);
 using GemmMLPFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,

@@ -333,13 +333,13 @@ _AUTO_PROVIDERS = {"ampkernels-cuda": "cuda", "ampkernels-triton": "triton", "ea
 def _print_auto_table(paths):
     import json
 
+    from ampkernels.ops.shared import BUCKETS
+
     rows = []
     for path in paths:
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
     table = auto_table(rows)
-    from ampkernels.ops.shared import BUCKETS
-
     names = {("cuda", "triton"): "_C", ("triton", "cuda"): "_T", ("torch",): "_E"}
     order = {b: i for i, b in enumerate(BUCKETS)}
     for (dtype, bucket, training), prefs in sorted(table.items(), key=lambda kv: (str(kv[0][0]), kv[0][2],
