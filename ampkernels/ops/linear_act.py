@@ -143,7 +143,8 @@ def _torch_linear_act(x, weight, bias, activation, cast_to, recompute):
 
 # "auto": backends to try, fastest first, per (compute capability major, dtype, activation,
 # shape bucket, training). Filled from one full H200 run of ampkernels/bench/bench_linear_act.py
-# (its rows: docs/performance.md, linear_act section): per cell the fastest of cuda /
+# (its rows: docs/performance.md, linear_act section) and, for the tiny bucket, a run of its two
+# tiny shapes on an H100 (sm_90 as well): per cell the fastest of cuda /
 # triton / torch (eager F.linear + activation) over the bucket's shapes, times summed; a fused
 # kernel within 1% of eager counts as a tie and is kept. `python -m ampkernels.bench.bench_linear_act
 # --auto-table FILE [FILE ...]` prints the rows below from a run; tests/test_cli.py checks them.
@@ -162,6 +163,10 @@ _AUTO_DEFAULT = ("cuda", "triton")
 _C, _T, _E = ("cuda", "triton"), ("triton", "cuda"), ("torch",)
 _ACT_COLUMNS = ("gelu_tanh", "relu", "gelu", "silu")
 _MEASURED = {  # (dtype, bucket, training): preferences for _ACT_COLUMNS
+    (torch.bfloat16, "tiny", False): (_C, _C, _E, _E),
+    (torch.bfloat16, "tiny", True): (_C, _C, _C, _C),
+    (torch.float16, "tiny", False): (_C, _C, _E, _E),
+    (torch.float16, "tiny", True): (_C, _E, _C, _C),
     (torch.bfloat16, "small", False): (_C, _C, _C, _E),
     (torch.bfloat16, "medium", False): (_C, _C, _T, _E),
     (torch.bfloat16, "large", False): (_T, _T, _T, _T),
