@@ -1747,10 +1747,10 @@ PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
 // one differs), without autocast all of one 16-bit dtype; backend None/"auto"/"cuda" with
 // AMPKERNELS_BACKEND unset/auto/cuda, deterministic algorithms off, and "auto" choosing the cuda
 // kernels: the key below not in not_cuda_first (a dict the op's Python builds from its table,
-// ops/shared.py gemm_entry_key: key -> whether torch comes first), buckets = (small_below,
-// medium_below) of M*N*K. For linear_act a torch-first cell runs here too, as the Python path
-// runs it (F.linear, then the activation, with torch's autograd nodes); the other ops decline
-// it. Anything else is NotImplemented: the caller then validates and decides in full.
+// ops/shared.py gemm_entry_key: key -> whether torch comes first), buckets = (tiny_below,
+// small_below, medium_below) of M*N*K. For linear_act a torch-first cell runs here too, as the
+// Python path runs it (F.linear, then the activation, with torch's autograd nodes); the other
+// ops decline it. Anything else is NotImplemented: the caller then validates and decides in full.
 using GemmLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
                                 std::optional<at::ScalarType>, bool, c10::string_view);
 using GemmMLPFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -1780,10 +1780,12 @@ at::Tensor torch_activation(const at::Tensor& z, Activation act) {
   TORCH_CHECK(false, "torch_activation: unknown activation ", int(act));
 }
 
+constexpr int kBuckets = 4;  // ops/shared.py BUCKETS: tiny, small, medium, large
+
 PyObject* gemm_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 7 || !PyLong_CheckExact(args[0]) || !PyTuple_CheckExact(args[2]) || !PyLong_CheckExact(args[3]) ||
-      !PyDict_CheckExact(args[5]) || !PyTuple_CheckExact(args[6]) || PyTuple_GET_SIZE(args[6]) != 2) {
+      !PyDict_CheckExact(args[5]) || !PyTuple_CheckExact(args[6]) || PyTuple_GET_SIZE(args[6]) != kBuckets - 1) {
     PyErr_SetString(PyExc_TypeError, "gemm_entry(op, x, params, activation, backend, not_cuda_first, buckets)");
     return nullptr;
   }
@@ -1861,13 +1863,15 @@ PyObject* gemm_entry(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
   }
   bool run_torch = false;
   if (backend == 1) {  // "auto": the op's table, as ops/shared.py gemm_entry_key encodes it
-    const long long small_below = PyLong_AsLongLong(PyTuple_GET_ITEM(args[6], 0));
-    const long long medium_below = PyLong_AsLongLong(PyTuple_GET_ITEM(args[6], 1));
-    if ((small_below == -1 || medium_below == -1) && PyErr_Occurred()) return nullptr;
     const double work = double(m) * double(bucket_n) * double(k);
-    const int bucket = work < double(small_below) ? 0 : work < double(medium_below) ? 1 : 2;
+    int bucket = 0;  // the number of bounds at or below the call's work
+    for (; bucket < kBuckets - 1; ++bucket) {
+      const long long below = PyLong_AsLongLong(PyTuple_GET_ITEM(args[6], bucket));
+      if (below == -1 && PyErr_Occurred()) return nullptr;
+      if (work < double(below)) break;
+    }
     const int cc = at::cuda::getDeviceProperties(x.get_device())->major;
-    const long long key = (((act * 32LL + cc) * 2 + (dt == at::kBFloat16)) * 3 + bucket) * 2 + grad;
+    const long long key = (((act * 32LL + cc) * 2 + (dt == at::kBFloat16)) * kBuckets + bucket) * 2 + grad;
     PyObject* key_obj = PyLong_FromLongLong(key);
     if (key_obj == nullptr) return nullptr;
     PyObject* torch_first = PyDict_GetItemWithError(args[5], key_obj);  // borrowed

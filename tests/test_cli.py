@@ -260,21 +260,23 @@ def test_reports_name_the_best_public_provider():
 
 
 def test_linear_act_auto_table_is_what_its_source_run_gives():
-    # ampkernels/ops/linear_act.py's "auto" table, recomputed by its rule from the H200 run it
-    # names: a hand edit of the table, or of the rule, shows here
+    # ampkernels/ops/linear_act.py's "auto" table, recomputed by its rule from the runs it names
+    # (the tiny bucket's rows come from a run of their own): a hand edit of the table, or of the
+    # rule, shows here
     from ampkernels.ops import linear_act as la
     from ampkernels.bench import bench_linear_act as bl
-    with open(os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-9836fa4-linear-act.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+    runs = [os.path.join(ROOT, "benchmarks", "results", name) for name in
+            ("h200-2026-12-01-9836fa4-linear-act.jsonl", "h100-2026-12-07-e81e387-linear-act-tiny.jsonl")]
+    rows = []
+    for run in runs:
+        with open(run) as f:
+            rows += [json.loads(line) for line in f]
     assert bl.auto_table(rows) == la._MEASURED
-    out = subprocess.run([sys.executable, "-m", "ampkernels.bench.bench_linear_act", "--auto-table",
-                          os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-9836fa4-linear-act.jsonl")],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert '(torch.float16, "medium", False): (_C, _C, _T, _E),' in out and len(out.splitlines()) == 12
-    # several runs: their times add up; one run given twice is its own mean
-    twice = subprocess.run([sys.executable, "-m", "ampkernels.bench.bench_linear_act", "--auto-table"] + 2 * [
-        os.path.join(ROOT, "benchmarks", "results", "h200-2026-12-01-9836fa4-linear-act.jsonl")],
-        cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    table = [sys.executable, "-m", "ampkernels.bench.bench_linear_act", "--auto-table"]
+    out = subprocess.run(table + runs, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert '(torch.float16, "medium", False): (_C, _C, _T, _E),' in out and len(out.splitlines()) == 16
+    # several runs of the same cases: their times add up; one run given twice is its own mean
+    twice = subprocess.run(table + 2 * runs, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert twice == out
 
 

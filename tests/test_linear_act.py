@@ -492,8 +492,9 @@ def test_auto_default_preference_and_table(monkeypatch):
     assert la.auto_preference(dev, torch.float16, "gelu", 8192, 4096, 4096) == ("triton", "cuda")
     assert la.auto_preference(dev, torch.float16, "gelu", 8192, 4096, 4096, training=True) == la._AUTO_DEFAULT
     assert la.auto_preference(dev, torch.float16, "gelu", 8, 8, 8) == la._AUTO_DEFAULT
-    assert [la.shape_bucket(*s) for s in ((4096, 3072, 768), (8192, 4096, 1024), (8192, 4096, 4096))] == \
-        ["small", "medium", "large"]
+    assert [la.shape_bucket(*s) for s in ((1024, 1024, 480), (128, 3072, 768), (4096, 3072, 768), (8192, 4096, 1024),
+                                          (8192, 4096, 4096), (1 << 10, 1 << 11, 1 << 11))] == \
+        ["tiny", "tiny", "small", "medium", "large", "small"]
     # the measured H200 table: every cell names real backends, the fastest first
     assert len(la._AUTO_TABLE) >= 48
     assert all(set(p) <= {"cuda", "triton", "torch"} and p for p in la._AUTO_TABLE.values())

@@ -428,20 +428,23 @@ def _gemm_calls(device, pdtype, xdtype):
 
 def test_gemm_entry_declines_what_it_does_not_run():
     from ampkernels.ops import shared
+    from ampkernels.ops.linear_act import BUCKET_BOUNDS as BOUNDS
     x, w = torch.randn(4, 8, dtype=torch.float16), torch.randn(16, 8, dtype=torch.float16)
-    assert shared.gemm_entry(shared.LINEAR_ACT, x, (w, None), 3, None, {}, (1 << 34, 1 << 37)) is NotImplemented
+    assert shared.gemm_entry(shared.LINEAR_ACT, x, (w, None), 3, None, {}, BOUNDS) is NotImplemented
     if not ampkernels.available_backends()["cuda"][0]:
         return
     xc, wc = x.cuda(), w.cuda()
     call = lambda x, params, act=3, backend=None, op=shared.LINEAR_ACT: shared.gemm_entry(  # noqa: E731
-        op, x, params, act, backend, {}, (1 << 34, 1 << 37))
+        op, x, params, act, backend, {}, BOUNDS)
     assert isinstance(call(xc, (wc, None)), torch.Tensor)
-    with pytest.raises(TypeError):  # the table is a dict (key -> torch first)
-        shared.gemm_entry(shared.LINEAR_ACT, xc, (wc, None), 3, None, frozenset(), (1 << 34, 1 << 37))
+    with pytest.raises(TypeError):  # the table is a dict (key -> torch first), a bound per bucket but the last
+        shared.gemm_entry(shared.LINEAR_ACT, xc, (wc, None), 3, None, frozenset(), BOUNDS)
+    with pytest.raises(TypeError):
+        shared.gemm_entry(shared.LINEAR_ACT, xc, (wc, None), 3, None, {}, BOUNDS[1:])
     # a listed cell: linear_act runs a torch-first one itself, any other op or cell declines
-    key = shared.gemm_entry_key(3, torch.cuda.get_device_capability(xc.device)[0], torch.float16, "small", False)
+    key = shared.gemm_entry_key(3, torch.cuda.get_device_capability(xc.device)[0], torch.float16, "tiny", False)
     table_call = lambda op, params, table: shared.gemm_entry(  # noqa: E731
-        op, xc, params, 3, None, table, (1 << 34, 1 << 37))
+        op, xc, params, 3, None, table, BOUNDS)
     assert torch.equal(table_call(shared.LINEAR_ACT, (wc, None), {key: True}),
                        F.gelu(F.linear(xc, wc), approximate="tanh"))
     assert table_call(shared.LINEAR_ACT, (wc, None), {key: False}) is NotImplemented
@@ -496,7 +499,8 @@ def test_gemm_entry_matches_the_full_path(monkeypatch, autocast):
 @pytest.mark.gpu
 def test_gemm_entry_follows_the_auto_table(monkeypatch):
     # "auto" runs the cuda kernels from the entry only where linear_act's table puts them first:
-    # on the H200, bf16 small training calls take eager torch for gelu_tanh and the kernels for gelu
+    # on the H200, bf16 small training calls take eager torch for gelu_tanh and the kernels for
+    # gelu, tiny ones (no cell measured) the kernels
     from ampkernels.ops import linear_act as la, shared
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the table's cells are the H200's")
@@ -504,17 +508,19 @@ def test_gemm_entry_follows_the_auto_table(monkeypatch):
     assert la.preference(torch.device("cuda"), torch.bfloat16, "gelu", "small", True)[0] == "cuda"
     entry, taken = shared.extension_gemm_entry(), []
     monkeypatch.setattr(shared, "_gemm_entry", lambda *a: taken.append(entry(*a)) or taken[-1])
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(512, 256, device="cuda", requires_grad=True)
+    x = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # "small"
+    w = torch.randn(3072, 768, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         eager = ampkernels.linear_act(x, w, None, "gelu_tanh")
         kernel = ampkernels.linear_act(x, w, None, "gelu")
         with torch.no_grad():  # inference: cuda first for both
             inference = ampkernels.linear_act(x, w, None, "gelu_tanh")
+        tiny = ampkernels.linear_act(x[:64], w[:512], None, "gelu_tanh")  # host-bound: the kernels
     # the torch cell runs from the entry too: F.linear + GELU, as the Python path runs it
     assert taken[0] is eager and eager.grad_fn.name() == "GeluBackward0"
     assert taken[1] is kernel and kernel.grad_fn.name() == "ampkernels::LinearActBackward"
     assert taken[2] is inference
+    assert taken[3] is tiny and tiny.grad_fn.name() == "ampkernels::LinearActBackward"
     monkeypatch.setattr(shared, "_gemm_entry", shared._declined)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want = ampkernels.linear_act(x, w, None, "gelu_tanh")

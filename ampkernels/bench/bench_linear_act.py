@@ -26,7 +26,10 @@ from . import providers
 from .. import _extension
 from .common import bench, first_call_s, guard, progress, standalone_main
 
-SHAPES = [(4096, 768, 3072), (8192, 1024, 4096), (8192, 4096, 4096), (8192, 4096, 16384)]
+# (M, K, N): the "tiny" bucket's (a short sequence through GPT-2's MLP, the first layer of an
+# apex-sized MLP), then GPT-2's and LLaMA-scale training shapes
+SHAPES = [(128, 768, 3072), (1024, 480, 1024), (4096, 768, 3072), (8192, 1024, 4096), (8192, 4096, 4096),
+          (8192, 4096, 16384)]
 ACTIVATIONS = ("gelu_tanh", "relu", "gelu", "silu")
 COMPILE_SHAPE = (8192, 1024, 4096)
 OP = "linear_act"
@@ -330,13 +333,15 @@ _AUTO_PROVIDERS = {"ampkernels-cuda": "cuda", "ampkernels-triton": "triton", "ea
 def _print_auto_table(paths):
     import json
 
+    from ampkernels.ops.shared import BUCKETS
+
     rows = []
     for path in paths:
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
     table = auto_table(rows)
     names = {("cuda", "triton"): "_C", ("triton", "cuda"): "_T", ("torch",): "_E"}
-    order = {"small": 0, "medium": 1, "large": 2}
+    order = {b: i for i, b in enumerate(BUCKETS)}
     for (dtype, bucket, training), prefs in sorted(table.items(), key=lambda kv: (str(kv[0][0]), kv[0][2],
                                                                                  order[kv[0][1]])):
         print(f"    ({dtype}, \"{bucket}\", {training}): ({', '.join(names[p] for p in prefs)}),")

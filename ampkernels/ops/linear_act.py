@@ -143,23 +143,30 @@ def _torch_linear_act(x, weight, bias, activation, cast_to, recompute):
 
 # "auto": backends to try, fastest first, per (compute capability major, dtype, activation,
 # shape bucket, training). Filled from one full H200 run of ampkernels/bench/bench_linear_act.py
-# (its rows: docs/performance.md, linear_act section): per cell the fastest of cuda /
+# (its rows: docs/performance.md, linear_act section) and, for the tiny bucket, a run of its two
+# tiny shapes on an H100 (sm_90 as well): per cell the fastest of cuda /
 # triton / torch (eager F.linear + activation) over the bucket's shapes, times summed; a fused
 # kernel within 1% of eager counts as a tie and is kept. `python -m ampkernels.bench.bench_linear_act
 # --auto-table FILE [FILE ...]` prints the rows below from a run; tests/test_cli.py checks them.
-# Buckets by M*N*K: "small" < 2^34 (4096x768x3072), "medium" < 2^37 (8192x1024x4096), "large"
+# Buckets by M*N*K: "tiny" < 2^32 (128x768x3072, 1024x480x1024: less GPU work than a call's
+# host time), "small" < 2^34 (4096x768x3072), "medium" < 2^37 (8192x1024x4096), "large"
 # (8192x4096x{4096,16384}).
-# Not measured (identity, squared_relu, other GPUs): the default, cuBLASLt first -- its fused
-# epilogues cost nothing for bias/relu/gelu_tanh, and its unfused path (GEMM+bias, then the
-# activation in place) does the same work as eager.
-# Why "torch" wins some cells: small shapes are host-bound (a fwd+bwd of linear_act costs the
-# host 310-440 us, eager 260-290), and for erf-GELU/SiLU the cuda path is GEMM + activation pass,
-# like eager. Host-bound training cells can flip between runs with the host's jitter; the GPU
-# time alone (CUDA-graph replay) favours cuda.
+# Not measured (identity, squared_relu, other GPUs, a bucket the run lacks): the default,
+# cuBLASLt first -- its fused epilogues cost nothing for bias/relu/gelu_tanh, its unfused path
+# (GEMM+bias, then the activation in place) does the same work as eager, and its call costs the
+# host less than F.linear + the activation (`ampkernels bench --op host`), which is what decides
+# a tiny call.
+# Why "torch" wins some cells: for erf-GELU/SiLU the cuda path is GEMM + activation pass, like
+# eager, and small training cells sit near the host bound, where they flip between runs with the
+# host's jitter; the GPU time alone (CUDA-graph replay) favours cuda.
 _AUTO_DEFAULT = ("cuda", "triton")
 _C, _T, _E = ("cuda", "triton"), ("triton", "cuda"), ("torch",)
 _ACT_COLUMNS = ("gelu_tanh", "relu", "gelu", "silu")
 _MEASURED = {  # (dtype, bucket, training): preferences for _ACT_COLUMNS
+    (torch.bfloat16, "tiny", False): (_C, _C, _E, _E),
+    (torch.bfloat16, "tiny", True): (_C, _C, _C, _C),
+    (torch.float16, "tiny", False): (_C, _C, _E, _E),
+    (torch.float16, "tiny", True): (_C, _E, _C, _C),
     (torch.bfloat16, "small", False): (_C, _C, _C, _E),
     (torch.bfloat16, "medium", False): (_C, _C, _T, _E),
     (torch.bfloat16, "large", False): (_T, _T, _T, _T),
@@ -178,12 +185,12 @@ _AUTO_TABLE: dict = {(9, dtype, act, bucket, training): pref
                      for act, pref in zip(_ACT_COLUMNS, prefs)}
 
 
-BUCKET_BOUNDS = (1 << 34, 1 << 37)  # M*N*K below which a call is "small", "medium"
+BUCKET_BOUNDS = (1 << 32, 1 << 34, 1 << 37)  # M*N*K below which a call is "tiny", "small", "medium"
 
 
 def shape_bucket(m, n, k):
     work = m * n * k
-    return BUCKETS[0] if work < BUCKET_BOUNDS[0] else BUCKETS[1] if work < BUCKET_BOUNDS[1] else BUCKETS[2]
+    return BUCKETS[sum(work >= bound for bound in BUCKET_BOUNDS)]  # traced by dynamo (bisect is not)
 
 
 def not_cuda_first(first):

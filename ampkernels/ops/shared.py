@@ -68,15 +68,15 @@ def torch_path_params(params, cast_to):
 
 # the ops' ids in gemm_entry
 LINEAR_ACT, FUSED_MLP, GATED_LINEAR_ACT, GATED_MLP = range(4)
-BUCKETS = ("small", "medium", "large")  # linear_act.shape_bucket's names, in gemm_entry's order
+BUCKETS = ("tiny", "small", "medium", "large")  # linear_act.shape_bucket's names, in gemm_entry's order
 
 
 def gemm_entry_key(activation_id, cc_major, dtype, bucket, training):
     """The key under which the extension's gemm_entry (csrc/ops.cpp) finds a call's "auto" cell:
     an op passes a dict of the keys whose first preference is not the cuda kernels (the value:
     whether it is torch)."""
-    return (((activation_id * 32 + cc_major) * 2 + (dtype == torch.bfloat16)) * 3 + BUCKETS.index(bucket)) * 2 + \
-        int(training)
+    return (((activation_id * 32 + cc_major) * 2 + (dtype == torch.bfloat16)) * len(BUCKETS) + BUCKETS.index(bucket)) \
+        * 2 + int(training)
 
 
 def _declined(*args):
