@@ -13,7 +13,9 @@ Cases, all under autocast with fp32 parameters and (but for the last two) 16-bit
   transformer whose residual stream is fp32 (timm's ViT): 3-D fp32 x (2 x 4 rows of 256),
   ampkernels.nn.LayerNorm / RMSNorm against torch.nn's, the module call included;
 - rotary_embedding of q and k (1 x 4 heads x 8 positions x 64, 16-bit; cos/sin fp32, as Hugging
-  Face's LLaMA makes them) against Hugging Face's apply_rotary_pos_emb formula.
+  Face's LLaMA makes them) against Hugging Face's apply_rotary_pos_emb formula;
+- gated_linear_act (SwiGLU, 256 -> 1024) against F.silu(F.linear(x, Wg)) * F.linear(x, Wu);
+- linear_cross_entropy (8 rows of 256, vocab 1024) against F.cross_entropy(F.linear(x, W).float(), t).
 
 Each call runs in its own autocast region (a step's forward casts each parameter once; one
 region around all calls would let torch reuse its cached casts). Host time of a call: the wall
@@ -119,6 +121,23 @@ def _rotary_case(device, dtype):
         (lambda backend: lambda: ampkernels.rotary_embedding(q, k, cos, sin, backend=backend))
 
 
+def _gated_case(device, dtype):
+    import ampkernels
+    x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    wg, wu = ((torch.randn(FFN, HIDDEN, device=device) * HIDDEN ** -0.5).requires_grad_() for _ in range(2))
+    return (x, wg, wu), (lambda: F.silu(F.linear(x, wg)) * F.linear(x, wu)), \
+        (lambda backend: lambda: ampkernels.gated_linear_act(x, wg, wu, activation="silu", backend=backend))
+
+
+def _lce_case(device, dtype):
+    import ampkernels
+    x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(FFN, HIDDEN, device=device) * HIDDEN ** -0.5).requires_grad_()
+    t = torch.randint(0, FFN, (ROWS,), device=device)
+    return (x, w), (lambda: F.cross_entropy(F.linear(x, w).float(), t)), \
+        (lambda backend: lambda: ampkernels.linear_cross_entropy(x, w, t, backend=backend))
+
+
 CASES = {"layer_norm": ("layer_norm", _norm_case("layer_norm", False)),
          "layer_norm+residual": ("layer_norm", _norm_case("layer_norm", True)),
          "rms_norm": ("rms_norm", _norm_case("rms_norm", False)),
@@ -128,7 +147,9 @@ CASES = {"layer_norm": ("layer_norm", _norm_case("layer_norm", False)),
          "fused_mlp": ("fused_mlp", _mlp_case),
          "layer_norm module (fp32 stream)": ("layer_norm", _norm_module_case("layer_norm")),
          "rms_norm module (fp32 stream)": ("rms_norm", _norm_module_case("rms_norm")),
-         "rotary_embedding": ("rotary_embedding", _rotary_case)}
+         "rotary_embedding": ("rotary_embedding", _rotary_case),
+         "gated_linear_act silu": ("gated_linear_act", _gated_case),
+         "linear_cross_entropy": ("linear_cross_entropy", _lce_case)}
 
 
 def _sync(device):
