@@ -67,13 +67,18 @@ def _norm_case(op, residual):
     return setup
 
 
+def _weight(device):
+    """An fp32 (FFN, HIDDEN) master weight, scaled as nn.Linear initialises it."""
+    return (torch.randn(FFN, HIDDEN, device=device) * HIDDEN ** -0.5).requires_grad_()
+
+
 def _linear_case(activation):
     import ampkernels
     torch_act = {"gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "relu": F.relu}[activation]
 
     def setup(device, dtype):
         x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
-        w = (torch.randn(FFN, HIDDEN, device=device) * HIDDEN ** -0.5).requires_grad_()
+        w = _weight(device)
         b = torch.zeros(FFN, device=device).requires_grad_()
         return (x, w, b), (lambda: torch_act(F.linear(x, w, b))), \
             (lambda backend: lambda: ampkernels.linear_act(x, w, b, activation, backend=backend))
@@ -124,7 +129,7 @@ def _rotary_case(device, dtype):
 def _gated_case(device, dtype):
     import ampkernels
     x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
-    wg, wu = ((torch.randn(FFN, HIDDEN, device=device) * HIDDEN ** -0.5).requires_grad_() for _ in range(2))
+    wg, wu = _weight(device), _weight(device)
     return (x, wg, wu), (lambda: F.silu(F.linear(x, wg)) * F.linear(x, wu)), \
         (lambda backend: lambda: ampkernels.gated_linear_act(x, wg, wu, activation="silu", backend=backend))
 
@@ -132,7 +137,7 @@ def _gated_case(device, dtype):
 def _lce_case(device, dtype):
     import ampkernels
     x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
-    w = (torch.randn(FFN, HIDDEN, device=device) * HIDDEN ** -0.5).requires_grad_()
+    w = _weight(device)
     t = torch.randint(0, FFN, (ROWS,), device=device)
     return (x, w), (lambda: F.cross_entropy(F.linear(x, w).float(), t)), \
         (lambda backend: lambda: ampkernels.linear_cross_entropy(x, w, t, backend=backend))
