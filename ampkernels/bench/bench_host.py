@@ -41,12 +41,22 @@ CALLS, REPEATS, WARMUP = 200, 11, 20
 CPU_CALLS, CPU_REPEATS, CPU_WARMUP = 10, 3, 2
 
 
+def _activation(device, dtype):
+    """A (ROWS, HIDDEN) 16-bit input that wants its gradient."""
+    return torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+
+
+def _weight(device):
+    """An fp32 (FFN, HIDDEN) master weight, scaled as nn.Linear initialises it."""
+    return (torch.randn(FFN, HIDDEN, device=device) * HIDDEN ** -0.5).requires_grad_()
+
+
 def _norm_case(op, residual):
     import ampkernels
 
     def setup(device, dtype):
-        x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
-        r = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+        x = _activation(device, dtype)
+        r = _activation(device, dtype)
         w = (torch.rand(HIDDEN, device=device) + 0.5).requires_grad_()
         b = torch.randn(HIDDEN, device=device).requires_grad_()
         inputs = (x, r, w) if op == "rms_norm" else (x, r, w, b)
@@ -67,17 +77,12 @@ def _norm_case(op, residual):
     return setup
 
 
-def _weight(device):
-    """An fp32 (FFN, HIDDEN) master weight, scaled as nn.Linear initialises it."""
-    return (torch.randn(FFN, HIDDEN, device=device) * HIDDEN ** -0.5).requires_grad_()
-
-
 def _linear_case(activation):
     import ampkernels
     torch_act = {"gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "relu": F.relu}[activation]
 
     def setup(device, dtype):
-        x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+        x = _activation(device, dtype)
         w = _weight(device)
         b = torch.zeros(FFN, device=device).requires_grad_()
         return (x, w, b), (lambda: torch_act(F.linear(x, w, b))), \
@@ -88,7 +93,7 @@ def _linear_case(activation):
 def _mlp_case(device, dtype):
     import ampkernels.nn as aknn
     mlp = aknn.FusedMLP(HIDDEN, FFN, activation="gelu_tanh").to(device)
-    x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    x = _activation(device, dtype)
 
     def ours(backend):
         mlp.backend = backend
@@ -128,7 +133,7 @@ def _rotary_case(device, dtype):
 
 def _gated_case(device, dtype):
     import ampkernels
-    x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    x = _activation(device, dtype)
     wg, wu = _weight(device), _weight(device)
     return (x, wg, wu), (lambda: F.silu(F.linear(x, wg)) * F.linear(x, wu)), \
         (lambda backend: lambda: ampkernels.gated_linear_act(x, wg, wu, activation="silu", backend=backend))
@@ -136,7 +141,7 @@ def _gated_case(device, dtype):
 
 def _lce_case(device, dtype):
     import ampkernels
-    x = torch.randn(ROWS, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+    x = _activation(device, dtype)
     w = _weight(device)
     t = torch.randint(0, FFN, (ROWS,), device=device)
     return (x, w), (lambda: F.cross_entropy(F.linear(x, w).float(), t)), \
