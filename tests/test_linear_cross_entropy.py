@@ -796,6 +796,55 @@ def test_benchmark_report():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("master", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_training_call_does_not_sync(backend, master, reduction):
+    # the target check queues a device-side assert: a step's loss and backward never wait for
+    # the GPU (fp32 master weights: the fp32 accumulator; 16-bit ones: the vocabulary pass)
+    x, w, b, t = _inputs(70, 48, 1003, torch.float32 if master else torch.bfloat16, "cuda")
+    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = ampkernels.linear_cross_entropy(x, w, t, b, reduction=reduction, backend=backend)
+        loss.sum().backward()
+
+    step()  # Triton's autotuner times its configs (syncs) on first use
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(w.grad).all()
+
+
+_BAD_TARGET_PROBE = """
+import torch, ampkernels
+x = torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(24, 16, device="cuda", dtype=torch.bfloat16)
+loss = ampkernels.linear_cross_entropy(x, w, torch.tensor([0, 24, -100, 1], device="cuda"))
+torch.cuda.synchronize()
+print("no error, loss", loss.item())
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_bad_target_is_a_device_assert():
+    # as F.cross_entropy's: it ends the process's CUDA context, so it runs in a process of its own
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", _BAD_TARGET_PROBE], cwd=root, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode != 0 and "device-side assert" in r.stderr, (r.stdout, r.stderr[-3000:])
+
+
+@pytest.mark.gpu
 def test_gpu_benchmark_runs(monkeypatch, tmp_path):
     from ampkernels.bench import bench_linear_cross_entropy as bl
     from ampkernels.bench.common import Recorder

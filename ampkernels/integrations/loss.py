@@ -24,10 +24,10 @@ head), a custom loss_function, or a forward already wrapped by someone else.
 fuse_masked_lm_loss does the same for a masked LM whose head is BERT's (BertForMaskedLM and the
 models built like it: base model -> head.transform -> head.decoder -> CrossEntropyLoss() over
 the flattened logits and labels, ignore_index -100). Only the labelled tokens need the head: in
-eager mode the wrapper keeps those rows (one host sync, where the loss's target check syncs
-anyway) and runs the transform and the fused loss on them alone (15% of the tokens in BERT's
-recipe); under torch.compile, where the row count would be data-dependent, it runs every row
-and the loss ignores the unlabelled ones.
+eager mode the wrapper keeps those rows (one host sync: `nonzero`) and runs the transform and
+the fused loss on them alone (15% of the tokens in BERT's recipe); under torch.compile, where
+the row count would be data-dependent, it runs every row and the loss ignores the unlabelled
+ones.
 """
 import ast
 import dataclasses

@@ -578,13 +578,19 @@ def _check_args(x, weight, target, bias, ignore_index, label_smoothing, reductio
 
 
 def _check_target_range(target, v, ignore_index):
-    """Class indices in [0, V) or ignore_index: one host sync, in eager mode only (not while
-    compiling or capturing a CUDA graph; the kernels then give a NaN loss for a bad index)."""
+    """Class indices in [0, V) or ignore_index. On CUDA a device-side assert queued behind the
+    call, as F.cross_entropy's own: no host sync in a training step, and a bad index fails at
+    the next sync with this message (ending the process's CUDA context, as torch's does). Elsewhere
+    a ValueError naming the first bad index. Skipped while compiling or capturing a CUDA graph:
+    the kernels then give a NaN loss for a bad index."""
     if torch.compiler.is_compiling() or (target.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    bad = ((target < 0) | (target >= v)) & (target != ignore_index)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
+    ok = ((target >= 0) & (target < v)) | (target == ignore_index)
+    if target.is_cuda:
+        torch._assert_async(ok.all(), f"linear_cross_entropy: a target is outside [0, {v}) (vocab = weight.shape[0]) "
+                                      f"and not ignore_index = {ignore_index}")
+    elif not bool(ok.all()):
+        i = int((~ok).nonzero()[0, 0])
         raise ValueError(f"linear_cross_entropy: target holds {int(target[i])} at flat index {i}, outside "
                          f"[0, {v}) (vocab = weight.shape[0]) and not ignore_index = {ignore_index}")
 
