@@ -803,7 +803,8 @@ def test_gpu_training_call_does_not_sync(backend, master, reduction):
     # the target check queues a device-side assert: a step's loss and backward never wait for
     # the GPU (fp32 master weights: the fp32 accumulator; 16-bit ones: the vocabulary pass)
     x, w, b, t = _inputs(70, 48, 1003, torch.float32 if master else torch.bfloat16, "cuda")
-    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    for p in (x, w, b):
+        p.requires_grad_()
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
