@@ -204,5 +204,6 @@ def test_host_cpu_demo(capsys):
                    for prov in ("torch", "ampkernels-torch")}
     assert all(r["host_us"] > 0 and r["metric"] == "host us (CPU demo)" for r in rec.rows)
     lines = bench_host.report(rec.rows)
-    assert len(lines) == 2 * len(bench_host.CASES)
+    assert len(lines) == 3 * len(bench_host.CASES)
+    assert sum(" fwd+bwd " in line for line in lines) == len(bench_host.CASES)
     assert all("(CPU demo): torch " in line and ("AT OR BELOW" in line or "ABOVE" in line) for line in lines)

@@ -23,7 +23,7 @@ time of CALLS back-to-back calls without synchronisation, divided by CALLS, afte
 median of REPEATS such runs, the providers of a case taking turns run by run (the host's drift
 reaches each alike). A backward is timed on graphs built beforehand (one forward each), so that
 its time holds no forward. Each ampkernels backend is timed ("cuda", "triton", "auto"). Rows:
-op, case, pass (fwd|bwd), provider, host_us.
+op, case, pass (fwd|bwd), provider, host_us; the report adds each case's fwd+bwd.
 
 Without a GPU the torch reference path runs (a CPU demo: there the time is the CPU's
 whole work, not host overhead beside a GPU).
@@ -256,21 +256,27 @@ def _cell(recorder, dtype, case, providers, calls, repeats, device):
 
 
 def report(rows):
-    """Per (case, pass, dtype): torch's host us and each ampkernels provider's, at or above it."""
+    """Per (case, pass, dtype): torch's host us and each ampkernels provider's, at or above it;
+    then per (case, dtype) the two passes together (a training call's host time: an op may move
+    work between them, as linear_cross_entropy computes its gradients in the forward)."""
     by = {}
     for r in rows:
         if r.get("bench") == "host":
-            by.setdefault((r["case"], r["pass"], r["dtype"]), {})[r["provider"]] = r
+            cell = by.setdefault((r["case"], r["pass"], r["dtype"]), {})
+            cell[r["provider"]] = (r["host_us"], r.get("device"))
+    for (case, pss, dtype), cell in list(by.items()):
+        bwd = by.get((case, "bwd", dtype)) if pss == "fwd" else None
+        if bwd:
+            by[(case, "fwd+bwd", dtype)] = {p: (us + bwd[p][0], dev) for p, (us, dev) in cell.items() if p in bwd}
     lines = []
     for (case, pss, dtype), cell in by.items():
         ref = cell.get("torch")
         if not ref:
             continue
-        demo = " (CPU demo)" if ref.get("device") != "cuda" else ""
-        ours = [f"{p} {r['host_us']:.1f} ({r['host_us'] / ref['host_us']:.2f}x) "
-                f"{'AT OR BELOW' if r['host_us'] <= ref['host_us'] else 'ABOVE'}"
-                for p, r in cell.items() if p != "torch"]
-        lines.append(f"host {case} {pss} {dtype}{demo}: torch {ref['host_us']:.1f} us; " + ", ".join(ours))
+        demo = " (CPU demo)" if ref[1] != "cuda" else ""
+        ours = [f"{p} {us:.1f} ({us / ref[0]:.2f}x) {'AT OR BELOW' if us <= ref[0] else 'ABOVE'}"
+                for p, (us, _) in cell.items() if p != "torch"]
+        lines.append(f"host {case} {pss} {dtype}{demo}: torch {ref[0]:.1f} us; " + ", ".join(ours))
     return lines
 
 
