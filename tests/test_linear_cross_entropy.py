@@ -9,6 +9,10 @@ GPU tier (`-m gpu`): cuda and triton at odd and real shapes (8192 x 768 x 50257 
 memory bound, autocast + GradScaler, compile.
 """
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,6 +28,12 @@ HAS_CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not ampkernels.available_backends()["triton"][0], reason="triton unavailable")
 CPU_TRITON = [] if HAS_CUDA else ["triton"]
 GPU_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _run_probe(code, env=None):
+    """A script in a Python process of its own, from the repository root."""
+    return subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
 
 
 @pytest.fixture
@@ -506,16 +516,9 @@ def test_triton_row_pass_reads_the_target_logit_before_its_barriers():
     reads a gradient another warp already stored there (a wrong loss, seen under
     compute-sanitizer). In the PTX of a 8-warp long-row launch the one scalar 16-bit load, z_t,
     precedes the first bar.sync (the row's own loads are 16-byte vectors)."""
-    import os
-    import pathlib
     import re
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", _ROWS_PTX_PROBE], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=300, check=False)
+    r = _run_probe(_ROWS_PTX_PROBE, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     if r.returncode != 0:
         if "ImportError" in r.stderr or "cannot import" in r.stderr or "ptxas" in r.stderr:
             pytest.skip(f"this Triton cannot compile for sm_90 here: {r.stderr.strip().splitlines()[-1]}")
@@ -835,13 +838,7 @@ print("no error, loss", loss.item())
 @pytest.mark.gpu
 def test_gpu_bad_target_is_a_device_assert():
     # as F.cross_entropy's: it ends the process's CUDA context, so it runs in a process of its own
-    import pathlib
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", _BAD_TARGET_PROBE], cwd=root, capture_output=True, text=True,
-                       timeout=300, check=False)
+    r = _run_probe(_BAD_TARGET_PROBE)
     assert r.returncode != 0 and "device-side assert" in r.stderr, (r.stdout, r.stderr[-3000:])
 
 

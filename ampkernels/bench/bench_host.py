@@ -259,24 +259,24 @@ def report(rows):
     """Per (case, pass, dtype): torch's host us and each ampkernels provider's, at or above it;
     then per (case, dtype) the two passes together (a training call's host time: an op may move
     work between them, as linear_cross_entropy computes its gradients in the forward)."""
-    by = {}
+    by, device = {}, {}
     for r in rows:
         if r.get("bench") == "host":
-            cell = by.setdefault((r["case"], r["pass"], r["dtype"]), {})
-            cell[r["provider"]] = (r["host_us"], r.get("device"))
+            by.setdefault((r["case"], r["pass"], r["dtype"]), {})[r["provider"]] = r["host_us"]
+            device[r["case"], r["dtype"]] = r.get("device")
     for (case, pss, dtype), cell in list(by.items()):
         bwd = by.get((case, "bwd", dtype)) if pss == "fwd" else None
         if bwd:
-            by[(case, "fwd+bwd", dtype)] = {p: (us + bwd[p][0], dev) for p, (us, dev) in cell.items() if p in bwd}
+            by[(case, "fwd+bwd", dtype)] = {p: us + bwd[p] for p, us in cell.items() if p in bwd}
     lines = []
     for (case, pss, dtype), cell in by.items():
         ref = cell.get("torch")
         if not ref:
             continue
-        demo = " (CPU demo)" if ref[1] != "cuda" else ""
-        ours = [f"{p} {us:.1f} ({us / ref[0]:.2f}x) {'AT OR BELOW' if us <= ref[0] else 'ABOVE'}"
-                for p, (us, _) in cell.items() if p != "torch"]
-        lines.append(f"host {case} {pss} {dtype}{demo}: torch {ref[0]:.1f} us; " + ", ".join(ours))
+        demo = " (CPU demo)" if device[case, dtype] != "cuda" else ""
+        ours = [f"{p} {us:.1f} ({us / ref:.2f}x) {'AT OR BELOW' if us <= ref else 'ABOVE'}"
+                for p, us in cell.items() if p != "torch"]
+        lines.append(f"host {case} {pss} {dtype}{demo}: torch {ref:.1f} us; " + ", ".join(ours))
     return lines
 
 
