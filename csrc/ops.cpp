@@ -1664,6 +1664,8 @@ int auto_or_cuda(PyObject* backend_obj) {
 // ampkernels.nn.LayerNorm / RMSNorm's forward on the host's critical path, without the Python
 // of layer_norm() (~12 us a call on the H200's host, several times that inside a model):
 //   norm_module(x, weight, bias, eps, is_rms, out_dtype, backend, cuda_below) -> out or NotImplemented
+//   norm_module(..., cuda_below, residual, residual_in_fp32) -> (out, x + residual) or NotImplemented
+// (the modules' forward_residual: residual CUDA, contiguous, x's shape, fp16/bf16/fp32).
 // It takes only the call whose answer is plain: tensors (no subclass, no torch-function mode),
 // x CUDA, contiguous, fp16/bf16/fp32, a 1-D weight over its last dim in x's dtype or fp32 (and a
 // bias so, for LayerNorm), eps a float (None: RMSNorm's default), out_dtype None, a dtype or
@@ -1674,8 +1676,8 @@ int auto_or_cuda(PyObject* backend_obj) {
 // NotImplemented: the module then runs layer_norm(), which validates and decides in full.
 PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError, "norm_module takes 8 arguments");
+  if (nargs != 8 && nargs != 10) {
+    PyErr_SetString(PyExc_TypeError, "norm_module takes 8 or 10 arguments");
     return nullptr;
   }
   PyObject *x_obj = args[0], *w_obj = args[1], *b_obj = args[2], *eps_obj = args[3], *rms_obj = args[4];
@@ -1701,6 +1703,17 @@ PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
       Py_RETURN_NOTIMPLEMENTED;
     bias = b;
   }
+  std::optional<at::Tensor> residual;
+  if (nargs == 10) {
+    if (!plain_tensor(args[8])) Py_RETURN_NOTIMPLEMENTED;
+    const at::Tensor& r = THPVariable_Unpack(args[8]);
+    const at::ScalarType rt = r.scalar_type();
+    if (!r.sizes().equals(x.sizes()) || r.device() != x.device() || !r.is_contiguous() ||
+        (rt != at::kHalf && rt != at::kBFloat16 && rt != at::kFloat))
+      Py_RETURN_NOTIMPLEMENTED;
+    residual = r;
+  }
+  const bool residual_in_fp32 = nargs == 10 && args[9] == Py_True;
   double eps;
   if (PyFloat_CheckExact(eps_obj)) {
     eps = PyFloat_AS_DOUBLE(eps_obj);
@@ -1725,12 +1738,23 @@ PyObject* norm_module(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
   if (!(x.numel() < below || (wt == at::kFloat && xt != at::kFloat))) Py_RETURN_NOTIMPLEMENTED;
 
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ampkernels::norm", "").typed<NormOpFn>();
-  at::Tensor out;
+  std::tuple<at::Tensor, at::Tensor> outs;
   {
     GilReleased released;
-    out = std::get<0>(op.call(x, w, bias, std::nullopt, eps, is_rms, out_dtype, false, "cuda", "cuda"));
+    outs = op.call(x, w, bias, residual, eps, is_rms, out_dtype, residual_in_fp32, "cuda", "cuda");
   }
-  return THPVariable_Wrap(std::move(out));
+  if (!residual) return THPVariable_Wrap(std::move(std::get<0>(outs)));
+  PyObject* out = THPVariable_Wrap(std::move(std::get<0>(outs)));
+  if (out == nullptr) return nullptr;
+  PyObject* sum = THPVariable_Wrap(std::move(std::get<1>(outs)));
+  if (sum == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  PyObject* pair = PyTuple_Pack(2, out, sum);
+  Py_DECREF(out);
+  Py_DECREF(sum);
+  return pair;
   END_HANDLE_TH_ERRORS
 }
 

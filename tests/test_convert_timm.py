@@ -38,8 +38,9 @@ def test_vit_every_norm_and_mlp_fc1_gelu_replaced_outputs_match():
     rng = torch.get_rng_state()
     _, report = aknn.convert(model)
     assert torch.equal(torch.get_rng_state(), rng)  # the probe replays the RNG, it does not advance it
-    # 2 norms per block + the final norm; fc1 + GELU per block
-    assert _counts(report) == {("LayerNorm", "LayerNorm"): 2 * DEPTH + 1, ("Linear", "Linear"): DEPTH}, str(report)
+    # 2 norms per block + the final norm; fc1 + GELU per block; the blocks' residual adds
+    assert _counts(report) == {("LayerNorm", "LayerNorm"): 2 * DEPTH + 1, ("Linear", "Linear"): DEPTH,
+                               ("Sequential", "FusedResidualBlocks"): 1}, str(report)
     assert report.skipped == [], str(report)
     assert sorted(p for p, _, new in report.replaced if new == "LayerNorm") == sorted(norms_before)
     for block in model.blocks:
@@ -52,8 +53,9 @@ def test_vit_every_norm_and_mlp_fc1_gelu_replaced_outputs_match():
     x = _images()
     with torch.no_grad():
         assert_rel_close(model(x), ref(x), torch.float32)
-    assert str(report).splitlines()[1] == ("  blocks.0.norm1: timm.layers.norm.LayerNorm -> "
-                                           "ampkernels.nn.modules.LayerNorm")
+    assert str(report).splitlines()[1:3] == [
+        "  blocks: torch.nn.modules.container.Sequential -> ampkernels.nn.modules.FusedResidualBlocks",
+        "  blocks.0.norm1: timm.layers.norm.LayerNorm -> ampkernels.nn.modules.LayerNorm"]
 
 
 def test_vit_trains_the_same_and_state_dict_loads_both_ways():
@@ -176,3 +178,144 @@ def test_mlp_subclasses_are_probed():
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         assert_rel_close(model(x), ref(x), torch.float32)
+
+
+def _vit_with_layer_scale(depth=3, drop_path=0.0):
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=depth, img_size=32, patch_size=8,
+                             num_classes=10, init_values=0.1, drop_path_rate=drop_path)
+
+
+def _loss_and_grads(model, x, y, seed=3):
+    torch.manual_seed(seed)  # drop_path draws the same masks in both runs
+    model.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_vit_blocks_run_their_residual_adds_inside_the_norms():
+    # LayerScale and drop path on: the branch each norm adds is ls(drop_path(...)) as in Block.forward
+    ref = _vit_with_layer_scale(drop_path=0.2).train()
+    model = copy.deepcopy(ref)
+    aknn.convert(model, norm_out_dtype="autocast")
+    assert type(model.blocks) is aknn.FusedResidualBlocks and len(model.blocks) == 3
+    assert all(type(b) is type(ref.blocks[0]) for b in model.blocks)  # the blocks themselves, kept
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    calls = []
+    for b in model.blocks:  # every norm after the first takes the add
+        for n in (b.norm1, b.norm2):
+            n.forward_residual = (lambda f: lambda *a: calls.append(1) or f(*a))(n.forward_residual)
+    x, y = _images(), torch.arange(4) % 10
+    want_loss, want = _loss_and_grads(ref, x, y)
+    loss, got = _loss_and_grads(model, x, y)
+    assert len(calls) == 5
+    assert_rel_close(loss, want_loss, torch.float32)
+    for name, g in want.items():
+        assert_rel_close(got[name], g, torch.float32, what=name)
+    # iterated (gradient checkpointing runs the blocks one by one): the blocks' own forward, unfused
+    model.set_grad_checkpointing(True)
+    calls.clear()
+    loss, got = _loss_and_grads(model, x, y)
+    assert calls == []
+    assert_rel_close(loss, want_loss, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the fp32 stream's sums as torch's adds make them
+        ref.eval(), model.eval()
+        torch.testing.assert_close(model.forward_features(x).float(), ref.forward_features(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "offset_rms_norm"])
+def test_norm_forward_residual_sum_and_output_dtypes(kind):
+    make = {"layer_norm": lambda: aknn.LayerNorm(24, eps=1e-6), "rms_norm": lambda: aknn.RMSNorm(24, eps=1e-6),
+            "offset_rms_norm": lambda: aknn.OffsetRMSNorm(24, eps=1e-6)}[kind]
+    norm = make()
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+    g = torch.Generator().manual_seed(2)
+    for xdt, rdt in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.float16, torch.bfloat16),
+                     (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float64)):
+        x = torch.randn(3, 5, 24, generator=g).to(xdt)
+        r = torch.randn(3, 5, 24, generator=g).to(rdt)
+        s_want = r + x
+        for out_dtype in (None, torch.float16):
+            norm.out_dtype = out_dtype
+            out, s = norm.forward_residual(x, r)
+            assert s.dtype == s_want.dtype and out.dtype == (out_dtype or s_want.dtype), (xdt, rdt, out_dtype)
+            if s.dtype in (torch.float32, torch.float64):
+                assert torch.equal(s, s_want)  # the add torch makes, bit for bit
+            else:  # a 16-bit sum: normalised before its rounding (the op's contract)
+                torch.testing.assert_close(s, s_want)
+            want = norm(s_want.to(s.dtype) if s.dtype != torch.float64 else s_want)
+            torch.testing.assert_close(out.double(), want.double(), rtol=2e-2, atol=2e-2)
+    norm.out_dtype = "autocast"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, s = norm.forward_residual(torch.randn(2, 24).bfloat16(), torch.randn(2, 24))
+    assert out.dtype == torch.bfloat16 and s.dtype == torch.float32
+
+
+class NotQuiteBlock(timm.models.vision_transformer.Block):
+    def forward(self, x, **kw):  # a subclass: by its exact class, never fused
+        return super().forward(x) * 0.5
+
+
+def test_blocks_left_alone_with_reasons():
+    hooked = _vit_with_layer_scale(depth=2)
+    hooked.blocks[1].norm2.register_forward_hook(lambda *a: None)
+    _, report = aknn.convert(hooked)
+    assert type(hooked.blocks) is torch.nn.Sequential
+    assert [(k.path, k.reason) for k in report.skipped] == [
+        ("blocks", "blocks whose norms were not all replaced: residual adds not fused"),
+        ("blocks.1.norm2", "LayerNorm has hooks, which a swap would drop")], str(report)
+    plain = _vit_with_layer_scale(depth=2)
+    _, report = aknn.convert(plain, norms=False)  # the fusion lives in the norms: none without them
+    assert type(plain.blocks) is torch.nn.Sequential and report.skipped == []
+    patched = _vit_with_layer_scale(depth=2)
+    patched.blocks[0].forward = patched.blocks[0].forward
+    _, report = aknn.convert(patched)
+    assert type(patched.blocks) is torch.nn.Sequential
+    assert [(k.path, k.reason) for k in report.skipped] == [("blocks", "Block.forward is patched on the instance")]
+    sub = _vit_with_layer_scale(depth=2)
+    sub.blocks[0].__class__ = NotQuiteBlock
+    _, report = aknn.convert(sub)
+    assert type(sub.blocks) is torch.nn.Sequential and report.skipped == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_vit_blocks_fused_residuals_match_under_autocast(backend, dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ref = _vit_with_layer_scale(depth=3).cuda().train()
+    unfused = copy.deepcopy(ref)
+    aknn.convert(unfused, backend=backend, norm_out_dtype="autocast")
+    model = copy.deepcopy(unfused)
+    unfused.blocks = torch.nn.Sequential(*unfused.blocks)  # the same kernels, the adds apart
+    assert type(model.blocks) is aknn.FusedResidualBlocks
+    x, y = _images(8).cuda(), (torch.arange(8) % 10).cuda()
+    results = []
+    for m in (ref, unfused, model):
+        with torch.autocast("cuda", dtype=dtype):
+            results.append(_loss_and_grads(m, x, y))
+    (want_loss, want), (plain_loss, plain), (loss, got) = results
+    assert_rel_close(loss, want_loss.double(), dtype, factor=2)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=1e-4)  # only the adds' placement differs
+    for name, g in want.items():
+        assert got[name].dtype == torch.float32, name
+        assert_rel_close(got[name], g.double(), dtype, factor=8, what=name)
+        torch.testing.assert_close(got[name], plain[name], rtol=2e-2, atol=1e-3 * plain[name].abs().max().item())
+
+
+def test_fused_residual_blocks_compile_fullgraph_as_the_blocks():
+    # under torch.compile "auto" hands the norms to inductor: the fused adds trace as plain adds
+    ref = _vit_with_layer_scale(depth=2).eval()
+    model = copy.deepcopy(ref)
+    aknn.convert(model, norm_out_dtype="autocast")
+    x = _images()
+    outs = []
+    for m in (ref, model):
+        torch._dynamo.reset()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(torch.compile(m, fullgraph=True)(x).float())
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)

@@ -28,6 +28,8 @@ Recognised (anything else is left untouched):
   Face's T5DenseGatedActDense (T5 v1.1, flan-T5, mT5) -> FusedT5GatedDense (its dropout and wo stay as they are);
   a packed gate_up_proj + down_proj + activation_fn (Phi-3, GLM) -> FusedPackedGatedMLP.
   Each keeps the original's children, so state_dict keys are unchanged; each swap is probed.
+- Residual adds: an nn.Sequential of timm's ViT Blocks whose norms were all swapped ->
+  ampkernels.nn.FusedResidualBlocks (the same children; each add inside the next norm), probed.
 
 The probe: a norm, a timm Mlp or a gated MLP is only swapped after a copy of it (fp32, random parameters,
 on its own device) and the swapped copy give the same output (1e-5 of the output's largest
@@ -48,8 +50,8 @@ import torch
 
 from ..ops.gated_linear_act import ACTIVATIONS as GATED_ACTIVATIONS
 from ..ops.linear_act import linear_act
-from .modules import (FusedGatedMLP, FusedGluMlp, FusedPackedGatedMLP, FusedSwiGLU, FusedT5GatedDense, LayerNorm,
-                      Linear, OffsetRMSNorm, RMSNorm)
+from .modules import (FusedGatedMLP, FusedGluMlp, FusedPackedGatedMLP, FusedResidualBlocks, FusedSwiGLU,
+                      FusedT5GatedDense, LayerNorm, Linear, OffsetRMSNorm, RMSNorm)
 
 
 def activation_name(module):
@@ -570,10 +572,41 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
                     continue
                 setattr(parent, name, new)
                 report.add(prefix + name, child, new)
+    if norms:
+        _fuse_block_residuals(model, report)
     report.sort(model_order)
     if verbose:
         print(report)
     return model, report
+
+
+# ------------------------------------------------------------------ residual adds into the norms
+
+def _is_timm_vit_block(m):
+    t = type(m)  # by name, so that timm stays optional; the exact class: a subclass may compute more
+    return t.__module__ == "timm.models.vision_transformer" and t.__qualname__ == "Block"
+
+
+def _fuse_block_residuals(model, report):
+    """Each exact nn.Sequential of timm Blocks whose norms are ampkernels' -> FusedResidualBlocks
+    (the residual adds inside the norms), once the probe shows it equal to the blocks."""
+    for path, parent in list(model.named_modules()):
+        prefix = f"{path}." if path else ""
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Sequential or not len(child) or \
+                    not all(_is_timm_vit_block(b) for b in child):
+                continue
+            if not all(isinstance(n, (LayerNorm, RMSNorm)) for b in child for n in (b.norm1, b.norm2)):
+                report.skip(prefix + name, child, "blocks whose norms were not all replaced: residual adds not fused")
+                continue
+            reason = _hooked(child, *(m for b in child for m in (b, *b.children())))
+            reason = reason or probe(child, lambda m: FusedResidualBlocks(*m), child[0].norm1.normalized_shape)
+            if reason:
+                report.skip(prefix + name, child, reason)
+                continue
+            new = FusedResidualBlocks(*child)
+            setattr(parent, name, new)
+            report.add(prefix + name, child, new)
 
 
 # ------------------------------------------------------------------ gated MLPs (SwiGLU / GeGLU)

@@ -57,6 +57,36 @@ class LayerNorm(torch.nn.LayerNorm):
                              out_dtype=_resolve_out_dtype(self.out_dtype, x), backend=self.backend)
         return out
 
+    def forward_residual(self, x, residual):
+        """(self(residual + x), residual + x) with the add inside the norm's op (see _residual_call)."""
+        return _residual_call(self, x, residual, self.weight, self.bias, False)
+
+
+def _residual_call(norm, x, residual, weight, bias, is_rms):
+    """The pre-norm step `s = residual + x; return norm(s), s` as one norm op with a residual: the
+    sum in the dtype torch's add gives it (fp32 for a 16-bit x on an fp32 stream, exactly as
+    rounded there), the output in the module's out_dtype, or the sum's dtype as the module
+    gives its input's. A 16-bit sum is normalised before its rounding (the op's contract), so
+    the output may differ from norm(s) in the last bit there; a sum dtype the op cannot make
+    (float64) takes the add and the module."""
+    if not isinstance(residual, torch.Tensor) or not isinstance(x, torch.Tensor):
+        raise TypeError(f"forward_residual: x and residual must be Tensors, got {type(x).__name__} and "
+                        f"{type(residual).__name__}")
+    sum_dtype = torch.promote_types(residual.dtype, x.dtype)
+    if sum_dtype not in (torch.float32, x.dtype) or not x.is_floating_point():
+        s = residual + x
+        return norm(s), s
+    out_dtype = _resolve_out_dtype(norm.out_dtype, x) or sum_dtype
+    in_fp32 = sum_dtype == torch.float32
+    out = NotImplemented if torch.compiler.is_compiling() else _norm_entry(
+        x, weight, bias, norm.eps, is_rms, out_dtype, norm.backend, _ln._HOST_BOUND_ELEMENTS, residual, in_fp32)
+    if out is NotImplemented:
+        op = rms_norm if is_rms else layer_norm
+        args = (weight,) if is_rms else (weight, bias)
+        out = op(x, norm.normalized_shape, *args, norm.eps, residual=residual, residual_in_fp32=in_fp32,
+                 out_dtype=out_dtype, backend=norm.backend)
+    return out
+
 
 class RMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm whose output keeps the input dtype under autocast (fp32 math inside)."""
@@ -77,6 +107,13 @@ class RMSNorm(torch.nn.RMSNorm):
                            backend=self.backend)
         return out
 
+    def forward_residual(self, x, residual):
+        """(self(residual + x), residual + x) with the add inside the norm's op (see _residual_call)."""
+        return self._forward_residual(x, residual, self.weight)
+
+    def _forward_residual(self, x, residual, weight):
+        return _residual_call(self, x, residual, weight, None, True)
+
 
 class OffsetRMSNorm(RMSNorm):
     """RMSNorm whose scale is (offset + weight), the stored weight raw: Gemma's RMSNorm
@@ -95,7 +132,13 @@ class OffsetRMSNorm(RMSNorm):
             torch.nn.init.constant_(self.weight, 1.0 - self.offset)  # a scale of one, as RMSNorm's
 
     def forward(self, x):
-        return self._forward(x, None if self.weight is None else self.weight.float() + self.offset)
+        return self._forward(x, self._scale())
+
+    def forward_residual(self, x, residual):
+        return self._forward_residual(x, residual, self._scale())
+
+    def _scale(self):
+        return None if self.weight is None else self.weight.float() + self.offset
 
     def extra_repr(self):
         return super().extra_repr() + f", offset={self.offset}"
@@ -142,6 +185,34 @@ class LinearCrossEntropy(torch.nn.Linear):
     def extra_repr(self):
         return (super().extra_repr() + f", ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}"
                 f", reduction={self.reduction!r}")
+
+
+class FusedResidualBlocks(torch.nn.Sequential):
+    """The nn.Sequential of pre-norm transformer blocks it replaces (timm's VisionTransformer
+    `blocks`: same children, state_dict keys and modules), run with each residual add inside
+    the next block's norm. A block is timm's Block, whose forward is
+
+        x = x + drop_path1(ls1(attn(norm1(x))));  x = x + drop_path2(ls2(mlp(norm2(x))))
+
+    here run as: h, x = norm.forward_residual(branch, x) for every norm after the first, the
+    last add left to the end. Each add then costs no kernel of its own (nor, in backward, the
+    gradient's accumulation into the stream), and the sum is the one torch's add makes (in the
+    stream's dtype; see ampkernels.nn.LayerNorm.forward_residual). Every block's norm1 and norm2
+    must have forward_residual (ampkernels' norms): convert() installs this only then, and only
+    after the probe shows it equal to the blocks run one by one. Iterating it (gradient
+    checkpointing, per-block masks) runs the blocks themselves, unfused."""
+
+    def forward(self, x):
+        residual, branch = x, None
+        for block in self:
+            if branch is None:
+                h = block.norm1(residual)
+            else:
+                h, residual = block.norm1.forward_residual(branch, residual)
+            branch = block.drop_path1(block.ls1(block.attn(h)))
+            h, residual = block.norm2.forward_residual(branch, residual)
+            branch = block.drop_path2(block.ls2(block.mlp(h)))
+        return residual if branch is None else residual + branch
 
 
 _ACTIVATION_MODULES = {
