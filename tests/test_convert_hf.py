@@ -73,7 +73,8 @@ EXPECTED = {  # (old class, new class, fused activation) -> count, for the 2-lay
     "codegen": {("LayerNorm", "LayerNorm", None): 3, ("Linear", "Linear", "gelu_tanh"): 2},
     "gptj": {("LayerNorm", "LayerNorm", None): 3, ("Linear", "Linear", "gelu_tanh"): 2},
     "gpt_neo": {("LayerNorm", "LayerNorm", None): 5, ("Linear", "Linear", "gelu_tanh"): 2},
-    "bert": {("LayerNorm", "LayerNorm", None): 6, ("Linear", "Linear", "gelu"): 3},  # + the MLM head's
+    "bert": {("LayerNorm", "LayerNorm", None): 6, ("Linear", "Linear", "gelu"): 3,  # + the MLM head's
+             ("BertSelfOutput", "FusedPostNormResidual", None): 2, ("BertOutput", "FusedPostNormResidual", None): 2},
     "gpt2": {("LayerNorm", "LayerNorm", None): 5, ("Conv1D", "Conv1DAct", "gelu_tanh"): 2},
     "llama": {("LlamaRMSNorm", "RMSNorm", None): 5, ("LlamaMLP", "FusedGatedMLP", "silu"): 2},
     "qwen2": {("Qwen2RMSNorm", "RMSNorm", None): 5, ("Qwen2MLP", "FusedGatedMLP", "silu"): 2},
@@ -174,6 +175,42 @@ def test_converted_trains_as_the_original(name):
         curves.append(torch.tensor(curve))
     assert curves[1][-1] < curves[1][0], curves  # it learns
     torch.testing.assert_close(curves[1], curves[0], rtol=1e-4, atol=1e-5)
+
+
+def test_post_norm_output_sublayers_take_the_add_into_the_norm():
+    # BERT's and RoBERTa's output sublayers (LayerNorm(dropout(dense(h)) + input)), dropout on
+    from transformers.models.bert.modeling_bert import BertSelfOutput
+    cfg = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+               hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.0, max_position_embeddings=32)
+    for cls, config in ((T.BertForMaskedLM, T.BertConfig(**cfg)), (T.RobertaForMaskedLM, T.RobertaConfig(**cfg))):
+        torch.manual_seed(0)
+        ref = cls(config).train()
+        model = copy.deepcopy(ref)
+        _, report = aknn.convert(model)
+        fused = [p for p, _, new in report.replaced if new == "FusedPostNormResidual"]
+        assert len(fused) == 4 and all(p.endswith(".output") for p in fused), str(report)
+        assert model.state_dict().keys() == ref.state_dict().keys()
+        ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(5))
+        grads = []
+        for m in (ref, model):
+            torch.manual_seed(1)  # the same dropout masks
+            m.zero_grad()
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            grads.append((loss.detach(), [p.grad for p in m.parameters()]))
+        torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads[1][1], grads[0][1]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    class ScaledOutput(BertSelfOutput):  # the same children, another forward: the probe tells
+        def forward(self, hidden_states, input_tensor):
+            return self.LayerNorm(self.dropout(self.dense(hidden_states)) + 0.5 * input_tensor)
+    ScaledOutput.__module__ = BertSelfOutput.__module__
+    odd = torch.nn.Sequential(ScaledOutput(T.BertConfig(**cfg)))
+    _, report = aknn.convert(odd)
+    assert type(odd[0]) is ScaledOutput and [p for p, _, _ in report.replaced] == ["0.LayerNorm"]
+    assert [(k.path, k.reason.split(" (")[0]) for k in report.skipped] == [
+        ("0", "probe: forward differs from the base operation")], str(report)
 
 
 def test_mlp_found_by_structure_is_probed():

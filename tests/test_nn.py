@@ -106,7 +106,8 @@ def _tiny_models():
 
 
 EXPECTED = {  # what convert() must find in the 2-layer configs above
-    "bert": {"LayerNorm": 6, "Linear": 3},     # embeddings + 2 per layer + MLM head; 2 intermediates + head
+    # embeddings + 2 per layer + MLM head; 2 intermediates + head; the 2 output sublayers per layer
+    "bert": {"LayerNorm": 6, "Linear": 3, "FusedPostNormResidual": 4},
     "gpt2": {"LayerNorm": 5, "Conv1DAct": 2},  # ln_1, ln_2 per layer + ln_f; c_fc per layer
     "llama": {"RMSNorm": 5, "FusedGatedMLP": 2},  # 2 per layer + final norm; the gated MLP per layer
 }

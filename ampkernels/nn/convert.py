@@ -29,7 +29,9 @@ Recognised (anything else is left untouched):
   a packed gate_up_proj + down_proj + activation_fn (Phi-3, GLM) -> FusedPackedGatedMLP.
   Each keeps the original's children, so state_dict keys are unchanged; each swap is probed.
 - Residual adds: an nn.Sequential of timm's ViT Blocks whose norms were all swapped ->
-  ampkernels.nn.FusedResidualBlocks (the same children; each add inside the next norm), probed.
+  ampkernels.nn.FusedResidualBlocks (the same children; each add inside the next norm), probed;
+  Hugging Face's post-norm output sublayers (BertSelfOutput / BertOutput and their copies: dense,
+  LayerNorm, dropout; LayerNorm(dropout(dense(h)) + input_tensor)) -> FusedPostNormResidual, probed.
 
 The probe: a norm, a timm Mlp or a gated MLP is only swapped after a copy of it (fp32, random parameters,
 on its own device) and the swapped copy give the same output (1e-5 of the output's largest
@@ -50,8 +52,8 @@ import torch
 
 from ..ops.gated_linear_act import ACTIVATIONS as GATED_ACTIVATIONS
 from ..ops.linear_act import linear_act
-from .modules import (FusedGatedMLP, FusedGluMlp, FusedPackedGatedMLP, FusedResidualBlocks, FusedSwiGLU,
-                      FusedT5GatedDense, LayerNorm, Linear, OffsetRMSNorm, RMSNorm)
+from .modules import (FusedGatedMLP, FusedGluMlp, FusedPackedGatedMLP, FusedPostNormResidual, FusedResidualBlocks,
+                      FusedSwiGLU, FusedT5GatedDense, LayerNorm, Linear, OffsetRMSNorm, RMSNorm)
 
 
 def activation_name(module):
@@ -269,20 +271,21 @@ def _rng_replay(device):
     return restore
 
 
-def _probe_inputs(feature_shape, gen):
-    z = torch.randn((2, 5, *feature_shape), generator=gen)
-    # unit scale, then a small spread on an offset: an eps or a centring that differs shows in the second
-    return [z, 0.5 + 0.01 * z]
+def _probe_inputs(feature_shapes, gen):
+    """Two calls' arguments, one (2, 5, *shape) tensor per shape: unit scale, then a small spread
+    on an offset (an eps or a centring that differs shows in the second)."""
+    zs = [torch.randn((2, 5, *shape), generator=gen) for shape in feature_shapes]
+    return [zs, [0.5 + 0.01 * z for z in zs]]
 
 
-def probe(module, swap, feature_shape, *, rtol=PROBE_RTOL):
+def probe(module, swap, feature_shape, *, rtol=PROBE_RTOL, more_inputs=()):
     """None if `swap` leaves what `module` computes unchanged, else the reason it does not (or cannot be shown).
 
     Runs on copies: `module` copied to fp32 on its own device with random parameters, and
     `swap(another copy)`, which returns the module to compare (a new one, or the copy changed
-    in place). Both get the same random fp32 inputs of shape (2, 5, *feature_shape), the RNG
-    replayed for each (dropout draws the same mask), autocast off, no grad. `module` and the
-    RNG are left as they were.
+    in place). Both get the same random fp32 inputs of shape (2, 5, *feature_shape) (and one
+    more argument per shape of `more_inputs`), the RNG replayed for each (dropout draws the same
+    mask), autocast off, no grad. `module` and the RNG are left as they were.
     """
     tensors = list(module.parameters()) + list(module.buffers())
     if any(t.is_meta for t in tensors):
@@ -301,15 +304,15 @@ def probe(module, swap, feature_shape, *, rtol=PROBE_RTOL):
         return f"probe: could not copy or build ({type(e).__name__}: {e})"
     try:
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            for x in _probe_inputs(feature_shape, gen):
-                x = x.to(device)
+            for args in _probe_inputs((feature_shape, *more_inputs), gen):
+                args = [a.to(device) for a in args]
                 try:
                     restore()
-                    want = ref(x)
+                    want = ref(*args)
                 except Exception as e:  # noqa: BLE001
-                    return _probe_raised(ref, x, e)
+                    return _probe_raised(ref, args[0], e)
                 restore()
-                got = cand(x)
+                got = cand(*args)
                 if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or \
                         want.shape != got.shape or want.dtype != got.dtype:
                     return "probe: output is not one tensor of the original's shape and dtype"
@@ -574,6 +577,7 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
                 report.add(prefix + name, child, new)
     if norms:
         _fuse_block_residuals(model, report)
+        _fuse_post_norm_residuals(model, report)
     report.sort(model_order)
     if verbose:
         print(report)
@@ -605,6 +609,32 @@ def _fuse_block_residuals(model, report):
                 report.skip(prefix + name, child, reason)
                 continue
             new = FusedResidualBlocks(*child)
+            setattr(parent, name, new)
+            report.add(prefix + name, child, new)
+
+
+def _is_hf_post_norm_output(m):
+    """BertSelfOutput-shaped: a transformers module of exactly dense (nn.Linear), LayerNorm and
+    dropout (nn.Dropout), whose forward the probe then checks against LayerNorm(dropout(dense(h))
+    + input_tensor)."""
+    return type(m).__module__.startswith("transformers.") and list(m._modules) == ["dense", "LayerNorm", "dropout"] \
+        and type(m.dense) is torch.nn.Linear and type(m.dropout) is torch.nn.Dropout
+
+
+def _fuse_post_norm_residuals(model, report):
+    """Each BertSelfOutput-shaped module whose LayerNorm was replaced -> FusedPostNormResidual."""
+    for path, parent in list(model.named_modules()):
+        prefix = f"{path}." if path else ""
+        for name, child in list(parent.named_children()):
+            if not _is_hf_post_norm_output(child) or type(child.LayerNorm) is not LayerNorm:
+                continue
+            reason = _hooked(child, *child.children()) or probe(
+                child, lambda m: FusedPostNormResidual(m.dense, m.LayerNorm, m.dropout), (child.dense.in_features,),
+                more_inputs=[(child.dense.out_features,)])
+            if reason:
+                report.skip(prefix + name, child, reason)
+                continue
+            new = FusedPostNormResidual(child.dense, child.LayerNorm, child.dropout)
             setattr(parent, name, new)
             report.add(prefix + name, child, new)
 

@@ -215,6 +215,22 @@ class FusedResidualBlocks(torch.nn.Sequential):
         return residual if branch is None else residual + branch
 
 
+class FusedPostNormResidual(torch.nn.Module):
+    """A post-norm transformer's output sublayer, Hugging Face BERT's BertSelfOutput / BertOutput
+    (and their copies, RoBERTa's, ELECTRA's, ...): LayerNorm(dropout(dense(hidden_states)) +
+    input_tensor), with the add inside the norm's op (LayerNorm.forward_residual: the sum as
+    torch's add makes it, so the fp32 stream under autocast keeps its bits; in backward no
+    separate add node). Its children are the original's (dense, LayerNorm, dropout), so
+    state_dict keys are unchanged; convert() installs it only after the probe shows it equal."""
+
+    def __init__(self, dense, layer_norm, dropout):
+        super().__init__()
+        self.dense, self.LayerNorm, self.dropout = dense, layer_norm, dropout
+
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm.forward_residual(self.dropout(self.dense(hidden_states)), input_tensor)[0]
+
+
 _ACTIVATION_MODULES = {
     "identity": torch.nn.Identity, "relu": torch.nn.ReLU, "gelu": torch.nn.GELU,
     "gelu_tanh": lambda: torch.nn.GELU(approximate="tanh"), "silu": torch.nn.SiLU,
