@@ -63,27 +63,24 @@ class LayerNorm(torch.nn.LayerNorm):
 
 
 def _residual_call(norm, x, residual, weight, bias, is_rms):
-    """The pre-norm step `s = residual + x; return norm(s), s` as one norm op with a residual: the
-    sum in the dtype torch's add gives it (fp32 for a 16-bit x on an fp32 stream, exactly as
-    rounded there), the output in the module's out_dtype, or the sum's dtype as the module
-    gives its input's. A 16-bit sum is normalised before its rounding (the op's contract), so
-    the output may differ from norm(s) in the last bit there; a sum dtype the op cannot make
-    (float64) takes the add and the module."""
+    """The pre-norm step `s = residual + x; return norm(s), s`. Where torch's add gives an fp32 sum
+    (a 16-bit x on the fp32 stream of autocast training, or all fp32) as one norm op with a
+    residual: the sum exactly as torch's add rounds it, normalised, the output in the module's
+    out_dtype (else fp32, as the module gives its input's dtype). Any other sum (16-bit, which
+    the op would normalise before its rounding; float64) takes the add and the module."""
     if not isinstance(residual, torch.Tensor) or not isinstance(x, torch.Tensor):
         raise TypeError(f"forward_residual: x and residual must be Tensors, got {type(x).__name__} and "
                         f"{type(residual).__name__}")
-    sum_dtype = torch.promote_types(residual.dtype, x.dtype)
-    if sum_dtype not in (torch.float32, x.dtype) or not x.is_floating_point():
+    if torch.promote_types(residual.dtype, x.dtype) != torch.float32:
         s = residual + x
         return norm(s), s
-    out_dtype = _resolve_out_dtype(norm.out_dtype, x) or sum_dtype
-    in_fp32 = sum_dtype == torch.float32
+    out_dtype = _resolve_out_dtype(norm.out_dtype, x) or torch.float32
     out = NotImplemented if torch.compiler.is_compiling() else _norm_entry(
-        x, weight, bias, norm.eps, is_rms, out_dtype, norm.backend, _ln._HOST_BOUND_ELEMENTS, residual, in_fp32)
+        x, weight, bias, norm.eps, is_rms, out_dtype, norm.backend, _ln._HOST_BOUND_ELEMENTS, residual, True)
     if out is NotImplemented:
         op = rms_norm if is_rms else layer_norm
         args = (weight,) if is_rms else (weight, bias)
-        out = op(x, norm.normalized_shape, *args, norm.eps, residual=residual, residual_in_fp32=in_fp32,
+        out = op(x, norm.normalized_shape, *args, norm.eps, residual=residual, residual_in_fp32=True,
                  out_dtype=out_dtype, backend=norm.backend)
     return out
 
@@ -195,9 +192,10 @@ class FusedResidualBlocks(torch.nn.Sequential):
         x = x + drop_path1(ls1(attn(norm1(x))));  x = x + drop_path2(ls2(mlp(norm2(x))))
 
     here run as: h, x = norm.forward_residual(branch, x) for every norm after the first, the
-    last add left to the end. Each add then costs no kernel of its own (nor, in backward, the
-    gradient's accumulation into the stream), and the sum is the one torch's add makes (in the
-    stream's dtype; see ampkernels.nn.LayerNorm.forward_residual). Every block's norm1 and norm2
+    last add left to the end. On an fp32 stream (autocast training) each add then costs no
+    kernel of its own (nor, in backward, the gradient's accumulation into the stream), and the
+    sum is the one torch's add makes; a 16-bit stream keeps its adds (see
+    ampkernels.nn.LayerNorm.forward_residual). Every block's norm1 and norm2
     must have forward_residual (ampkernels' norms): convert() installs this only then, and only
     after the probe shows it equal to the blocks run one by one. Iterating it (gradient
     checkpointing, per-block masks) runs the blocks themselves, unfused."""
@@ -218,9 +216,8 @@ class FusedResidualBlocks(torch.nn.Sequential):
 class FusedPostNormResidual(torch.nn.Module):
     """A post-norm transformer's output sublayer, Hugging Face BERT's BertSelfOutput / BertOutput
     (and their copies, RoBERTa's, ELECTRA's, ...): LayerNorm(dropout(dense(hidden_states)) +
-    input_tensor), with the add inside the norm's op (LayerNorm.forward_residual: the sum as
-    torch's add makes it, so the fp32 stream under autocast keeps its bits; in backward no
-    separate add node). Its children are the original's (dense, LayerNorm, dropout), so
+    input_tensor), with the add inside the norm's op on an fp32 stream (LayerNorm.forward_residual:
+    the sum as torch's add makes it; in backward no separate add node). Its children are the original's (dense, LayerNorm, dropout), so
     state_dict keys are unchanged; convert() installs it only after the probe shows it equal."""
 
     def __init__(self, dense, layer_norm, dropout):
