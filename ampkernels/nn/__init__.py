@@ -19,4 +19,5 @@ from .modules import (FusedGatedMLP, FusedGluMlp, FusedMLP, FusedPackedGatedMLP,
                       OffsetRMSNorm, RMSNorm)
 
 __all__ = ["LayerNorm", "RMSNorm", "OffsetRMSNorm", "Linear", "FusedMLP", "FusedGatedMLP", "FusedSwiGLU", "FusedGluMlp",
-           "FusedT5GatedDense", "FusedPackedGatedMLP", "FusedResidualBlocks", "FusedPostNormResidual", "LinearCrossEntropy", "convert", "ConvertReport"]
+           "FusedT5GatedDense", "FusedPackedGatedMLP", "FusedResidualBlocks", "FusedPostNormResidual",
+           "LinearCrossEntropy", "convert", "ConvertReport"]

@@ -195,10 +195,10 @@ class FusedResidualBlocks(torch.nn.Sequential):
     last add left to the end. On an fp32 stream (autocast training) each add then costs no
     kernel of its own (nor, in backward, the gradient's accumulation into the stream), and the
     sum is the one torch's add makes; a 16-bit stream keeps its adds (see
-    ampkernels.nn.LayerNorm.forward_residual). Every block's norm1 and norm2
-    must have forward_residual (ampkernels' norms): convert() installs this only then, and only
-    after the probe shows it equal to the blocks run one by one. Iterating it (gradient
-    checkpointing, per-block masks) runs the blocks themselves, unfused."""
+    ampkernels.nn.LayerNorm.forward_residual). Every block's norm1 and norm2 must have
+    forward_residual (ampkernels' norms): convert() installs this only then, and only after the
+    probe shows it equal to the blocks run one by one. Iterating it (gradient checkpointing,
+    per-block masks) runs the blocks themselves, unfused."""
 
     def forward(self, x):
         residual, branch = x, None
@@ -216,9 +216,10 @@ class FusedResidualBlocks(torch.nn.Sequential):
 class FusedPostNormResidual(torch.nn.Module):
     """A post-norm transformer's output sublayer, Hugging Face BERT's BertSelfOutput / BertOutput
     (and their copies, RoBERTa's, ELECTRA's, ...): LayerNorm(dropout(dense(hidden_states)) +
-    input_tensor), with the add inside the norm's op on an fp32 stream (LayerNorm.forward_residual:
-    the sum as torch's add makes it; in backward no separate add node). Its children are the original's (dense, LayerNorm, dropout), so
-    state_dict keys are unchanged; convert() installs it only after the probe shows it equal."""
+    input_tensor), with the add inside the norm's op on an fp32 stream
+    (LayerNorm.forward_residual: the sum as torch's add makes it; in backward no add node). Its
+    children are the original's (dense, LayerNorm, dropout), so state_dict keys are unchanged;
+    convert() installs it only after the probe shows it equal."""
 
     def __init__(self, dense, layer_norm, dropout):
         super().__init__()
