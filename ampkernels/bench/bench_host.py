@@ -11,7 +11,9 @@ Cases, all under autocast with fp32 parameters and (but for the last two) 16-bit
 - FusedMLP (256 -> 1024 -> 256, gelu_tanh) against the Linear-GELU-Linear it is;
 - the norm modules as convert(model, norm_out_dtype="autocast") puts them in a pre-norm
   transformer whose residual stream is fp32 (timm's ViT): 3-D fp32 x (2 x 4 rows of 256),
-  ampkernels.nn.LayerNorm / RMSNorm against torch.nn's, the module call included;
+  ampkernels.nn.LayerNorm / RMSNorm against torch.nn's, the module call included; and LayerNorm's
+  forward_residual(16-bit branch, stream), as FusedResidualBlocks calls it, against the add and
+  torch.nn.LayerNorm;
 - rotary_embedding of q and k (1 x 4 heads x 8 positions x 64, 16-bit; cos/sin fp32, as Hugging
   Face's LLaMA makes them) against Hugging Face's apply_rotary_pos_emb formula;
 - gated_linear_act (SwiGLU, 256 -> 1024) against F.silu(F.linear(x, Wg)) * F.linear(x, Wu);
@@ -102,11 +104,14 @@ def _mlp_case(device, dtype):
     return (x, *mlp.parameters()), (lambda: torch.nn.Sequential.forward(mlp, x)), ours
 
 
-def _norm_module_case(op):
+def _norm_module_case(op, residual=False):
+    """The module on an fp32 stream x (as a converted transformer calls it); with `residual`, its
+    forward_residual(branch, x) against torch's x + branch, then the module (a pre-norm step)."""
     import ampkernels.nn as aknn
 
     def setup(device, dtype):
         x = torch.randn(2, ROWS // 2, HIDDEN, device=device, requires_grad=True)  # fp32: the stream
+        branch = torch.randn(2, ROWS // 2, HIDDEN, device=device, dtype=dtype, requires_grad=True)
         theirs, ours = (torch.nn.LayerNorm, aknn.LayerNorm) if op == "layer_norm" else (torch.nn.RMSNorm, aknn.RMSNorm)
         module, eager = ours(HIDDEN, out_dtype="autocast").to(device), theirs(HIDDEN).to(device)
         for name, p in module.named_parameters():
@@ -114,8 +119,13 @@ def _norm_module_case(op):
 
         def call(backend):
             module.backend = backend
-            return lambda: module(x)
-        return (x, *module.parameters()), (lambda: eager(x)), call
+            return (lambda: module.forward_residual(branch, x)) if residual else (lambda: module(x))
+
+        def torch_call():
+            s = x + branch
+            return eager(s), s
+        inputs = (x, branch, *module.parameters()) if residual else (x, *module.parameters())
+        return inputs, (torch_call if residual else (lambda: eager(x))), call
     return setup
 
 
@@ -157,6 +167,7 @@ CASES = {"layer_norm": ("layer_norm", _norm_case("layer_norm", False)),
          "fused_mlp": ("fused_mlp", _mlp_case),
          "layer_norm module (fp32 stream)": ("layer_norm", _norm_module_case("layer_norm")),
          "rms_norm module (fp32 stream)": ("rms_norm", _norm_module_case("rms_norm")),
+         "layer_norm module + residual (fp32 stream)": ("layer_norm", _norm_module_case("layer_norm", residual=True)),
          "rotary_embedding": ("rotary_embedding", _rotary_case),
          "gated_linear_act silu": ("gated_linear_act", _gated_case),
          "linear_cross_entropy": ("linear_cross_entropy", _lce_case)}
