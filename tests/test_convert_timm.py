@@ -263,6 +263,14 @@ def test_blocks_left_alone_with_reasons():
     assert [(k.path, k.reason) for k in report.skipped] == [
         ("blocks", "blocks whose norms were not all replaced: residual adds not fused"),
         ("blocks.1.norm2", "LayerNorm has hooks, which a swap would drop")], str(report)
+    seen = []
+    watched = _vit_with_layer_scale(depth=2)  # a hook on a module the fused forward calls still runs
+    watched.blocks[1].attn.register_forward_hook(lambda *a: seen.append(1))
+    aknn.convert(watched)
+    assert type(watched.blocks) is aknn.FusedResidualBlocks
+    seen.clear()
+    watched(_images())
+    assert seen == [1]
     plain = _vit_with_layer_scale(depth=2)
     _, report = aknn.convert(plain, norms=False)  # the fusion lives in the norms: none without them
     assert type(plain.blocks) is torch.nn.Sequential and report.skipped == []

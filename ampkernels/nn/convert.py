@@ -603,7 +603,9 @@ def _fuse_block_residuals(model, report):
             if not all(isinstance(n, (LayerNorm, RMSNorm)) for b in child for n in (b.norm1, b.norm2)):
                 report.skip(prefix + name, child, "blocks whose norms were not all replaced: residual adds not fused")
                 continue
-            reason = _hooked(child, *(m for b in child for m in (b, *b.children())))
+            # hooks on what the fused forward calls as a module (attn, mlp, ...) still run; the
+            # blocks' own forward and the norms' (forward_residual) are bypassed
+            reason = _hooked(child, *(m for b in child for m in (b, b.norm1, b.norm2)))
             reason = reason or probe(child, lambda m: FusedResidualBlocks(*m), child[0].norm1.normalized_shape)
             if reason:
                 report.skip(prefix + name, child, reason)
@@ -628,7 +630,7 @@ def _fuse_post_norm_residuals(model, report):
         for name, child in list(parent.named_children()):
             if not _is_hf_post_norm_output(child) or type(child.LayerNorm) is not LayerNorm:
                 continue
-            reason = _hooked(child, *child.children()) or probe(
+            reason = _hooked(child, child.LayerNorm) or probe(
                 child, lambda m: FusedPostNormResidual(m.dense, m.LayerNorm, m.dropout), (child.dense.in_features,),
                 more_inputs=[(child.dense.out_features,)])
             if reason:
