@@ -280,23 +280,30 @@ def _chunk_loop(x, weight, bias, target, losses, scale, ignore_index, eps, need,
     parts = _weight_parts(weight, bias, x.dtype, vp)
     assert not need_dw or len(parts) == 1, "the fp32 accumulator runs over one padded weight"
     buf = x.new_empty(min(rows, m), vp)
-    for s in range(0, m, rows):
-        e = min(s + rows, m)
-        zp = buf[:e - s]
-        for c0, c1, w, b in parts:
-            _logits(x[s:e], w, b, zp[:, c0:c1])
-        z = zp[:, :v]
-        rows_pass(z, target[s:e], losses[s:e] if losses.numel() == m else losses[:e - s],
-                  scale[s:e] if scale.numel() > 1 else scale, ignore_index, eps, any(need), backend,
-                  None if lse is None else lse[s:e])
+    # every chunk's views made at once (a Python slice per tensor per chunk cost the host more
+    # than the launches at GPT-2's 13 chunks); a part spanning the whole chunk is not sliced
+    n_chunks = -(-m // rows)  # none for no tokens
+    per_row = [x, target, losses if losses.numel() == m else None, scale if scale.numel() > 1 else None,
+               dx if need_dx else None, lse]
+    chunks = [(None,) * n_chunks if t is None else t.split(rows) for t in per_row]
+    parts = [(c0, c1, w, b, c0 == 0 and c1 == vp) for c0, c1, w, b in parts]
+    grad = any(need)
+    for xc, tc, lc, sc, dxc, lsec in zip(*chunks) if n_chunks else ():
+        zp = buf if xc.shape[0] == buf.shape[0] else buf[:xc.shape[0]]
+        for c0, c1, w, b, whole in parts:
+            _logits(xc, w, b, zp if whole else zp[:, c0:c1])
+        z = zp if vp == v else zp[:, :v]
+        rows_pass(z, tc, losses[:xc.shape[0]] if lc is None else lc, scale if sc is None else sc, ignore_index, eps,
+                  grad, backend, lsec)
         if need_dx:
-            for i, (c0, c1, w, _) in enumerate(parts):
-                if i == 0:
-                    torch.mm(zp[:, c0:c1], w, out=dx[s:e])
+            for j, (c0, c1, w, _, whole) in enumerate(parts):
+                zc = zp if whole else zp[:, c0:c1]
+                if j == 0:
+                    torch.mm(zc, w, out=dxc)
                 else:
-                    dx[s:e].addmm_(zp[:, c0:c1], w)
+                    dxc.addmm_(zc, w)
         if need_dw:
-            dw = _accumulate_wgrad(dw, zp, x[s:e])
+            dw = _accumulate_wgrad(dw, zp, xc)
         if need_db:
             db += z.sum(0, dtype=acc)
     if need_dw and dw is None:  # no tokens
