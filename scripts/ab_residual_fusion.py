@@ -9,6 +9,7 @@ add-then-norm). Under torch.compile both converted forms trace alike, so eager o
 """
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -72,7 +73,8 @@ def main():
                 row = dict(model=name, dtype=dt, variant=variant, ms=round(statistics.median(r.times), 3),
                            host_ms=round(statistics.median(r.host), 3),
                            loss=round(r.loss.item(), 4), swapped_back=swapped if variant == "apart" else 0,
-                           gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__)
+                           gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
+                           commit=os.environ.get("AMPKERNELS_COMMIT"))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             f, a = runs["fused"], runs["apart"]
