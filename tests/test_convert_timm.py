@@ -305,9 +305,10 @@ def test_gpu_vit_blocks_fused_residuals_match_under_autocast(backend, dtype):
     (want_loss, want), (plain_loss, plain), (loss, got) = results
     assert_rel_close(loss, want_loss.double(), dtype, factor=2)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=1e-4)  # only the adds' placement differs
-    for name, g in want.items():
+    flat = lambda grads: torch.cat([grads[n].flatten() for n in want])  # noqa: E731
+    assert_rel_close(flat(got), flat(want).double(), dtype, factor=4, what="all gradients against unconverted")
+    for name in want:  # against the same conversion with the adds apart: the same sums, so close to the bit
         assert got[name].dtype == torch.float32, name
-        assert_rel_close(got[name], g.double(), dtype, factor=8, what=name)
         torch.testing.assert_close(got[name], plain[name], rtol=2e-2, atol=1e-3 * plain[name].abs().max().item())
 
 
