@@ -63,12 +63,7 @@ def main():
             warm = args.steps // 2
             for r in runs.values():
                 r.run(warm, timed=False)
-            order, left, turn = list(runs.values()), args.steps - warm, 0
-            while left > 0:
-                n = min(bench_e2e.BURST, left)
-                for r in order if turn % 2 == 0 else order[::-1]:
-                    r.run(n, timed=True)
-                left, turn = left - n, turn + 1
+            bench_e2e.timed_in_turn(list(runs.values()), args.steps - warm)
             for variant, r in runs.items():
                 row = dict(model=name, dtype=dt, variant=variant, ms=round(statistics.median(r.times), 3),
                            host_ms=round(statistics.median(r.host), 3),

@@ -353,13 +353,19 @@ def _train_group(recorder, work, modes, compiled, steps, device):
     runs = [guard(recorder, f"e2e {work.name} {mode}" + (" compile" if compiled else " eager"), _started, work, mode,
                   compiled, device, warm) for mode in modes]
     runs = [r for r in runs if r is not None]  # a mode that failed has its error row; the others go on
-    left, turn = steps - warm, 0
+    timed_in_turn(runs, steps - warm)
+    return [_row(recorder, work, r, steps) for r in runs]
+
+
+def timed_in_turn(runs, steps):
+    """`steps` timed steps of each run, in bursts of BURST taking the runs in turn, in alternating
+    order (A B, B A, ...): a drift of the host's speed reaches every run alike."""
+    left, turn = steps, 0
     while left > 0:
         n = min(BURST, left)
         for r in runs if turn % 2 == 0 else runs[::-1]:
             r.run(n, timed=True)
         left, turn = left - n, turn + 1
-    return [_row(recorder, work, r, steps) for r in runs]
 
 
 def _row(recorder, work, r, steps):

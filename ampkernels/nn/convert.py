@@ -576,8 +576,7 @@ def convert(model, *, norms=True, linears=True, backend=None, norm_out_dtype=Non
                 setattr(parent, name, new)
                 report.add(prefix + name, child, new)
     if norms:
-        _fuse_block_residuals(model, report)
-        _fuse_post_norm_residuals(model, report)
+        _fuse_residuals(model, report)
     report.sort(model_order)
     if verbose:
         print(report)
@@ -591,28 +590,17 @@ def _is_timm_vit_block(m):
     return t.__module__ == "timm.models.vision_transformer" and t.__qualname__ == "Block"
 
 
-def _fuse_block_residuals(model, report):
-    """Each exact nn.Sequential of timm Blocks whose norms are ampkernels' -> FusedResidualBlocks
-    (the residual adds inside the norms), once the probe shows it equal to the blocks."""
-    for path, parent in list(model.named_modules()):
-        prefix = f"{path}." if path else ""
-        for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Sequential or not len(child) or \
-                    not all(_is_timm_vit_block(b) for b in child):
-                continue
-            if not all(isinstance(n, (LayerNorm, RMSNorm)) for b in child for n in (b.norm1, b.norm2)):
-                report.skip(prefix + name, child, "blocks whose norms were not all replaced: residual adds not fused")
-                continue
-            # hooks on what the fused forward calls as a module (attn, mlp, ...) still run; the
-            # blocks' own forward and the norms' (forward_residual) are bypassed
-            reason = _hooked(child, *(m for b in child for m in (b, b.norm1, b.norm2)))
-            reason = reason or probe(child, lambda m: FusedResidualBlocks(*m), child[0].norm1.normalized_shape)
-            if reason:
-                report.skip(prefix + name, child, reason)
-                continue
-            new = FusedResidualBlocks(*child)
-            setattr(parent, name, new)
-            report.add(prefix + name, child, new)
+def _fused_blocks(child):
+    """FusedResidualBlocks for an exact nn.Sequential of timm Blocks (or the reason to leave it, or
+    None when it is not one)."""
+    if type(child) is not torch.nn.Sequential or not len(child) or not all(_is_timm_vit_block(b) for b in child):
+        return None
+    if not all(isinstance(n, (LayerNorm, RMSNorm)) for b in child for n in (b.norm1, b.norm2)):
+        return "blocks whose norms were not all replaced: residual adds not fused"
+    # hooks on what the fused forward calls as a module (attn, mlp, ...) still run; the
+    # blocks' own forward and the norms' (forward_residual) are bypassed
+    return _hooked(child, *(m for b in child for m in (b, b.norm1, b.norm2))) or \
+        probe(child, lambda m: FusedResidualBlocks(*m), child[0].norm1.normalized_shape) or FusedResidualBlocks(*child)
 
 
 def _is_hf_post_norm_output(m):
@@ -623,22 +611,28 @@ def _is_hf_post_norm_output(m):
         and type(m.dense) is torch.nn.Linear and type(m.dropout) is torch.nn.Dropout
 
 
-def _fuse_post_norm_residuals(model, report):
-    """Each BertSelfOutput-shaped module whose LayerNorm was replaced -> FusedPostNormResidual."""
+def _fused_post_norm_output(child):
+    """FusedPostNormResidual for a BertSelfOutput-shaped module whose LayerNorm was replaced (or
+    the reason to leave it, or None when it is not one)."""
+    if not _is_hf_post_norm_output(child) or type(child.LayerNorm) is not LayerNorm:
+        return None
+    return _hooked(child, child.LayerNorm) or probe(
+        child, lambda m: FusedPostNormResidual(m.dense, m.LayerNorm, m.dropout), (child.dense.in_features,),
+        more_inputs=[(child.dense.out_features,)]) or FusedPostNormResidual(child.dense, child.LayerNorm, child.dropout)
+
+
+def _fuse_residuals(model, report):
+    """The residual adds into the norms (after the norm swap): timm ViT's blocks and Hugging Face's
+    post-norm output sublayers, each swap probed."""
     for path, parent in list(model.named_modules()):
         prefix = f"{path}." if path else ""
         for name, child in list(parent.named_children()):
-            if not _is_hf_post_norm_output(child) or type(child.LayerNorm) is not LayerNorm:
-                continue
-            reason = _hooked(child, child.LayerNorm) or probe(
-                child, lambda m: FusedPostNormResidual(m.dense, m.LayerNorm, m.dropout), (child.dense.in_features,),
-                more_inputs=[(child.dense.out_features,)])
-            if reason:
-                report.skip(prefix + name, child, reason)
-                continue
-            new = FusedPostNormResidual(child.dense, child.LayerNorm, child.dropout)
-            setattr(parent, name, new)
-            report.add(prefix + name, child, new)
+            new = _fused_blocks(child) or _fused_post_norm_output(child)
+            if isinstance(new, str):
+                report.skip(prefix + name, child, new)
+            elif new is not None:
+                setattr(parent, name, new)
+                report.add(prefix + name, child, new)
 
 
 # ------------------------------------------------------------------ gated MLPs (SwiGLU / GeGLU)
