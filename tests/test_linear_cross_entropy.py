@@ -216,6 +216,34 @@ def test_fp32_master_weights_under_cpu_autocast(small_chunks):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_auto_runs_the_composite_only_for_small_logits_on_cuda(monkeypatch):
+    from types import SimpleNamespace
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    monkeypatch.delenv("AMPKERNELS_BACKEND", raising=False)
+    n = lce._COMPOSITE_MAX_LOGITS
+    assert lce._runs_composite(None, cuda, n // 1024, 1024) and lce._runs_composite("auto", cuda, 8, 1024)
+    assert not lce._runs_composite(None, cuda, n // 1024 + 1, 1024)  # above: the chunked op
+    assert not lce._runs_composite(None, cpu, 8, 1024)  # CPU: the torch backend, its checks and messages
+    assert not lce._runs_composite("cuda", cuda, 8, 1024)  # a backend asked for runs
+    monkeypatch.setenv("AMPKERNELS_BACKEND", "triton")
+    assert not lce._runs_composite(None, cuda, 8, 1024)
+
+
+@pytest.mark.parametrize("reduction", lce.REDUCTIONS)
+def test_composite_is_the_definition(reduction):
+    # autocast with fp32 master weights (F.linear casts them) and fp64 (kept fp64, not .float())
+    x, w, b, t = _inputs(13, 32, 45, torch.float32, "cpu")
+    args = dict(ignore_index=-100, label_smoothing=0.1, reduction=reduction)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lce._composite(x, w, b, t, torch.bfloat16, **args)
+        want = F.cross_entropy(F.linear(x, w, b).float(), t, **args)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    x, w, b = x.double(), w.double(), b.double()
+    got = lce._composite(x, w, b, t, None, **args)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, reference.linear_cross_entropy(x, w, t, b, **args), rtol=1e-12, atol=1e-12)
+
+
 def test_fp32_without_autocast_matches_torch_closely(small_chunks):
     x, w, b, t = _inputs(29, 16, 31, torch.float32, "cpu")
     got = ampkernels.linear_cross_entropy(x, w, t, b, label_smoothing=0.1)
@@ -829,17 +857,57 @@ _BAD_TARGET_PROBE = """
 import torch, ampkernels
 x = torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(24, 16, device="cuda", dtype=torch.bfloat16)
-loss = ampkernels.linear_cross_entropy(x, w, torch.tensor([0, 24, -100, 1], device="cuda"))
+loss = ampkernels.linear_cross_entropy(x, w, torch.tensor([0, 24, -100, 1], device="cuda"), backend={backend!r})
 torch.cuda.synchronize()
 print("no error, loss", loss.item())
 """
 
 
 @pytest.mark.gpu
-def test_gpu_bad_target_is_a_device_assert():
+@pytest.mark.parametrize("backend", ["cuda", None])  # None: "auto", the composite at this size
+def test_gpu_bad_target_is_a_device_assert(backend):
     # as F.cross_entropy's: it ends the process's CUDA context, so it runs in a process of its own
-    r = _run_probe(_BAD_TARGET_PROBE)
+    r = _run_probe(_BAD_TARGET_PROBE.format(backend=backend))
     assert r.returncode != 0 and "device-side assert" in r.stderr, (r.stdout, r.stderr[-3000:])
+    if backend == "cuda":
+        assert "outside [0, 24)" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_gpu_auto_composite_below_its_size_the_op_above(monkeypatch):
+    # fp32 master weights under bf16 autocast, leading dims, each reduction: below the size "auto"
+    # gives torch's composite bit for bit (no ampkernels op runs), above it the chunked op
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.namespace)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.delenv("AMPKERNELS_BACKEND", raising=False)
+    x, w, b, t = _inputs(20, 64, 1003, torch.float32, "cuda", lead=(3,))
+    size = lce._COMPOSITE_MAX_LOGITS
+    for reduction in lce.REDUCTIONS:
+        grads = {}
+        for limit, who in ((size, "auto"), (0, "op"), (None, "torch")):
+            xs, ws, bs = (a.detach().requires_grad_() for a in (x, w, b))
+            with torch.autocast("cuda", dtype=torch.bfloat16), Ops() as ops:
+                if limit is None:
+                    loss = F.cross_entropy(F.linear(xs, ws, bs).float().flatten(0, 1), t.flatten(), reduction=reduction)
+                    loss = loss.reshape(t.shape) if reduction == "none" else loss
+                else:
+                    monkeypatch.setattr(lce, "_COMPOSITE_MAX_LOGITS", limit)
+                    loss = ampkernels.linear_cross_entropy(xs, ws, t, bs, reduction=reduction)
+            assert ("ampkernels" in ops.names) == (who == "op"), (who, ops.names)
+            loss.sum().backward()
+            grads[who] = (loss.detach(), xs.grad, ws.grad, bs.grad)
+        assert all(torch.equal(a, c) for a, c in zip(grads["auto"], grads["torch"])), reduction
+        for a, c in zip(grads["op"], grads["torch"]):
+            assert_rel_close(a, c.double(), torch.bfloat16, factor=2)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,9 @@ backward scales them by grad_output (GradScaler's scale) / n_valid in place. red
 backward, with the per-token scale applied inside the row pass. Inference computes the loss
 alone.
 
+"auto" on CUDA runs the composite F.cross_entropy(F.linear(...).float(), ...) itself up to 2^22
+logits, where it costs less host time and holds little (`_COMPOSITE_MAX_LOGITS`).
+
 Backends for the row pass: "cuda" (csrc/linear_cross_entropy.cu), "triton"
 (ampkernels/triton/linear_cross_entropy.py), "torch" (the same chunked algorithm in torch ops:
 the CPU path, fp32/fp64 inputs, the reference for dispatch). The GEMMs are torch's (cuBLAS) on
@@ -44,13 +47,15 @@ host ~10 us a call more than an autograd Function; this one runs once a step.
 Pieces, in the order data meets them: chunked implementation -> custom ops (forward, backward)
 with fakes -> autograd -> "auto" -> functional API.
 """
+import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends
-from .shared import autocast_dtypes
+from .shared import autocast_dtypes, torch_path_params
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -536,11 +541,39 @@ linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_conte
 # ---------------------------------------------------------------- "auto"
 
 def preference(device, dtype):
-    """Backends "auto" tries, fastest first. Also under torch.compile: the op is opaque there
-    either way (inductor would build the full logits), so the kernels are the better choice.
-    The GEMMs dominate; the row pass has not been timed cuda vs triton yet (cuda first: less
-    host time per launch)."""
+    """Backends "auto" tries, fastest first, above the composite's size (below). Also under
+    torch.compile: the op is opaque there either way (inductor would build the full logits), so
+    the kernels are the better choice. The GEMMs dominate; the row pass has not been timed cuda
+    vs triton yet (cuda first: less host time per launch)."""
     return ("cuda", "triton")
+
+
+# "auto" on CUDA below this many logits (tokens x vocab) runs the definition itself,
+# F.cross_entropy(F.linear(x, weight, bias).float(), ...): there the chunked op's launches (~20
+# in its forward, its GEMMs and the target check) cost the host more than the whole composite
+# costs the GPU (the host bench: 8 x 256 -> vocab 1024, forward 705 us against torch's 91 on an
+# H200's host), and the logits the op saves are small: 2^22 of them, fp32 and their fp32 log-
+# probabilities, are 32 MiB.
+_COMPOSITE_MAX_LOGITS = 1 << 22
+
+
+@backends.assume_constant_result
+def _auto_requested(backend):
+    return backends.requested(backend)[0] == "auto"  # a host-side decision, as _choose
+
+
+def _runs_composite(backend, x, m, v):
+    return x.is_cuda and m * v <= _COMPOSITE_MAX_LOGITS and _auto_requested(backend)
+
+
+def _composite(x, weight, bias, target, cast_to, ignore_index, label_smoothing, reduction):
+    """F.cross_entropy(F.linear(x, weight, bias).float(), target, ...) over 2-D x and 1-D target,
+    with torch's autograd (its own device assert for a bad target). fp64 stays fp64."""
+    weight, bias = torch_path_params((weight, bias), cast_to)
+    logits = F.linear(x, weight, bias)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           reduction=reduction)
 
 
 @backends.assume_constant_result
@@ -612,13 +645,19 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, lab
     is cast as F.linear casts it); weight (vocab, hidden) in x's dtype or fp32 master weights
     under autocast (gradients returned in fp32); target (...) int64; the loss is fp32 (fp64 for
     fp64 inputs, which with fp32 run the torch path when autocast is off).
-    backend: None/"auto" | "cuda" | "triton" | "torch" (see ampkernels.backends).
+    backend: None/"auto" | "cuda" | "triton" | "torch" (see ampkernels.backends). "auto" on CUDA
+    runs that composite itself when tokens x vocab is at most 2^22 (less host time there, small
+    logits).
     """
     _check_args(x, weight, target, bias, ignore_index, label_smoothing, reduction)
     label_smoothing = float(label_smoothing)
     device = x.device
-    x, _ = autocast_dtypes("linear_cross_entropy", x, (weight, bias), ("weight", "bias"))  # weights cast in the op
+    x, cast_to = autocast_dtypes("linear_cross_entropy", x, (weight, bias), ("weight", "bias"))  # weights cast in the op
     k, v = x.shape[-1], weight.shape[0]
+    if _runs_composite(backend, x, math.prod(x.shape[:-1]), v):
+        loss = _composite(x.reshape(-1, k), weight, bias, target.reshape(-1).to(torch.int64), cast_to, ignore_index,
+                          label_smoothing, reduction)
+        return loss.reshape(target.shape) if reduction == "none" else loss
     x2 = x.reshape(-1, k).contiguous()
     t2 = target.reshape(-1).to(torch.int64).contiguous()
     _check_target_range(t2, v, ignore_index)
