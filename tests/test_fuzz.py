@@ -1,4 +1,5 @@
-"""Randomised cases, each against float64: the norms, linear_act, the fused MLP and linear_cross_entropy.
+"""Randomised cases, each against float64: the norms, linear_act, the fused MLP, the gated ones,
+rotary_embedding and linear_cross_entropy.
 
 Each test draws its cases in a loop from a seeded generator (tests.conftest.input_seed of the
 test's id and the case index): dtypes drawn independently (the norms: x, residual and
@@ -10,7 +11,7 @@ Every case checks the forward and every gradient against float64 autograd, the d
 outputs and gradients, and that no input was modified. A failure names the case's seed and
 parameters; AMPKERNELS_FUZZ_SEED=<seed> reruns that case alone (in the test that reported it).
 
-GPU tier: ~13,660 cases. The cuda backend takes the whole space; the triton backend a palette
+GPU tier: ~15,090 cases. The cuda backend takes the whole space; the triton backend a palette
 per test (a Triton kernel compiles once per pointer-dtype signature, pointer alignment, BLOCK_N
 and integer argument class: ==1, multiple of 16, other), so that its compiles stay bounded,
 with autotuning off (one config per kernel: the masking and indexing under test are the same
@@ -30,7 +31,7 @@ import ampkernels
 from ampkernels import reference
 from tests.conftest import input_seed
 from tests.test_dtype_combos import ALL, CPU_DTYPES, ISSUE_31, NormCombo, check_norm, norm_combos
-from tests.utils import TOL, needs_triton_ops, rel_err
+from tests.utils import TOL, cuda_kernels_on_cpu, needs_triton_ops, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
 SCALE = float(os.environ.get("AMPKERNELS_FUZZ_SCALE", "1"))
@@ -322,12 +323,14 @@ def untuned_triton(monkeypatch):
     """The Triton matmuls with their first config only and no ping-pong/TMA timing: a fuzz case
     of a new shape would otherwise autotune (benchmark every config) once per shape."""
     import triton
+    from ampkernels.triton import gated_linear_act as tg
     from ampkernels.triton import linear_act as tk
     monkeypatch.setattr(tk, "_AUTOTUNE", False)
-    for name in dir(tk):
-        kernel = getattr(tk, name)
-        if isinstance(kernel, triton.runtime.Autotuner) and len(kernel.configs) > 1:
-            monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
+    for module in (tk, tg):
+        for name in dir(module):
+            kernel = getattr(module, name)
+            if isinstance(kernel, triton.runtime.Autotuner) and len(kernel.configs) > 1:
+                monkeypatch.setattr(kernel, "configs", kernel.configs[:1])
 
 
 @pytest.mark.gpu
@@ -373,6 +376,177 @@ def test_fused_mlp_triton_interpreter(request, chunk):
 def test_linear_act_and_mlp_torch_backend(request):
     run_cases(request, 30, lambda rng, gen, p: linear_act_case(rng, gen, p, "torch", "cpu", (torch.float32,)))
     run_cases(request, 15, lambda rng, gen, p: mlp_case(rng, gen, p, "torch", "cpu", (torch.float32,)), "mlp")
+
+
+# ---------------------------------------------------------------- gated_linear_act, gated_mlp
+
+GATED_NAMES = ("dx", "dgate_weight", "dup_weight", "dgate_bias", "dup_bias", "ddown_weight", "ddown_bias")
+
+
+def gated_case(rng, gen, params, backend, device, dtypes, activation=None, palette=False):
+    """gated_linear_act, or gated_mlp (with a down projection), as linear_act_case draws its
+    cases, and: each bias on its own, gate and up as the halves of one packed (2H, K) weight or
+    apart, recompute."""
+    dtype, autocast, pdtype = _dtype_setup(rng, device, dtypes)
+    activation = activation or rng.choice(reference.GATED_ACTIVATIONS)
+    k, h = _draw_dims(rng, palette)
+    m = 1 if rng.random() < 0.1 else rng.randint(2, 64)
+    lead = (rng.randint(2, 3),) if rng.random() < 0.3 else ()
+    down = _draw_dims(rng, palette, 48)[0] if rng.random() < 0.3 else None
+    biases = [rng.random() < 0.4 for _ in range(3)]
+    packed, recompute = rng.random() < 0.3, down is None and rng.random() < 0.3
+    xdtype = rng.choice([dtype, torch.float32]) if autocast else dtype
+    layouts = [rng.choice(LAYOUTS), rng.choice(("contiguous", "transposed", "strided"))]
+    params.update(backend=backend, dtype=dtype, autocast=autocast, x_dtype=xdtype, activation=activation,
+                  shape=(*lead, m, k), hidden=h, down=down, biases=biases, packed=packed, recompute=recompute,
+                  layouts=layouts)
+    x = tensor((*lead, m, k), xdtype, device, gen, layouts[0])
+    if packed:
+        wgu = tensor((2 * h, k), pdtype, device, gen, layouts[1], scale=k ** -0.5)
+        wg, wu = wgu[:h], wgu[h:]
+    else:
+        wg, wu = (tensor((h, k), pdtype, device, gen, layouts[1], scale=k ** -0.5) for _ in range(2))
+    bg, bu = (tensor((h,), pdtype, device, gen, rng.choice(BIAS_LAYOUTS)) if on else None for on in biases[:2])
+    wd = None if down is None else tensor((down, h), pdtype, device, gen, rng.choice(("contiguous", "transposed")),
+                                          scale=h ** -0.5)
+    bd = tensor((down,), pdtype, device, gen) if down is not None and biases[2] else None
+    check_gated(x, wg, wu, bg, bu, wd, bd, activation, backend, dtype, autocast, recompute, params)
+
+
+def check_gated(x, wg, wu, bg, bu, wd, bd, activation, backend, dtype, autocast, recompute, params=None):
+    """gated_linear_act (wd None) or gated_mlp as check_linear_act checks linear_act."""
+    from ampkernels.ops.gated_linear_act import gated_mlp
+    inputs = [x, wg, wu, bg, bu] + ([] if wd is None else [wd, bd])
+    before = [None if t is None else t.clone() for t in inputs]
+    ours, eager, exact = _leaves(inputs), _leaves(inputs), _f64(inputs, dtype)
+
+    def block(a):
+        h = reference.act_fwd(F.linear(a[0], a[1], a[3]), activation) * F.linear(a[0], a[2], a[4])
+        return h if wd is None else F.linear(h, a[5], a[6])
+
+    with torch.autocast(x.device.type, dtype=dtype, enabled=autocast):
+        if wd is None:
+            out = ampkernels.gated_linear_act(*ours, activation, backend=backend, recompute=recompute)
+        else:
+            out = gated_mlp(*ours, activation, backend=backend)
+        out_eager = block(eager)
+    out64 = block(exact)
+    n = wg.shape[0] if wd is None else wd.shape[0]
+    assert out.dtype == dtype and out.shape == (*x.shape[:-1], n), f"out {out.dtype} {tuple(out.shape)}"
+    what = "gated_linear_act" if wd is None else "gated_mlp"
+    _assert_close_or_as_eager([("out", out)], [out_eager], [out64], dtype, what)
+    _backward_and_compare(out, out_eager, out64, ours, eager, exact, GATED_NAMES, dtype, what, params, False)
+    _assert_unmodified(inputs, before)
+
+
+@pytest.mark.gpu
+def test_gated_gpu_cuda(request):
+    run_cases(request, 400, lambda rng, gen, p: gated_case(rng, gen, p, "cuda", "cuda", (torch.float16, torch.bfloat16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", reference.GATED_ACTIVATIONS)
+def test_gated_gpu_triton(request, activation, untuned_triton):
+    run_cases(request, 40, lambda rng, gen, p: gated_case(rng, gen, p, "triton", "cuda",
+                                                          (torch.float16, torch.bfloat16), activation, True))
+
+
+@needs_triton
+@cpu_only
+def test_gated_triton_interpreter(request):
+    run_cases(request, 12, lambda rng, gen, p: gated_case(rng, gen, p, "triton", "cpu", (torch.float16,)))
+
+
+def test_gated_torch_backend(request):
+    run_cases(request, 30, lambda rng, gen, p: gated_case(rng, gen, p, "torch", "cpu", (torch.float32,)))
+
+
+@pytest.fixture
+def cuda_path_on_cpu(monkeypatch):
+    yield from cuda_kernels_on_cpu(monkeypatch)
+
+
+def test_gated_cuda_autograd_on_cpu(request, cuda_path_on_cpu):
+    # the cuda backend's C++ autograd and routing, its kernels the CPU reference
+    run_cases(request, 30, lambda rng, gen, p: gated_case(rng, gen, p, "cuda", "cpu", (torch.float32, torch.bfloat16)))
+
+
+# ---------------------------------------------------------------- rotary_embedding
+
+ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def rotary_case(rng, gen, params, backend, device, dtypes=ROTARY_DTYPES, head_dims=None):
+    """rotary_embedding against float64 autograd: q, k, cos/sin and out_dtype drawn apart,
+    heads before or after the sequence, fewer k heads, head dims whose half is odd, one row,
+    q and k as views of one projection, offset or strided, a cos batch of 1 or B."""
+    qd, kd = rng.choice(dtypes), rng.choice(dtypes)
+    csd = rng.choice([torch.float32, qd])
+    out_dtype = rng.choice([None, None, rng.choice(dtypes)])
+    layout = rng.choice(["bhsd", "bshd"])
+    b, s = rng.randint(1, 3), rng.choice([1, rng.randint(2, 70)])
+    d = rng.choice(head_dims) if head_dims else 2 * rng.choice([1, rng.randint(1, 80), 4 * rng.randint(1, 32)])
+    hq = rng.randint(1, 6)
+    hk = rng.randint(1, hq)
+    cos_batch = rng.choice([1, b])
+    source = rng.choice(["projection", "contiguous", "offset", "strided"])
+    params.update(backend=backend, q=qd, k=kd, cos=csd, out_dtype=out_dtype, layout=layout, shape=(b, s, hq, hk, d),
+                  cos_batch=cos_batch, source=source)
+
+    def make(h, dtype):
+        if source == "projection":  # HF: (b, s, h*d) viewed (b, s, h, d)
+            t = tensor((b, s, h * d), dtype, device, gen).view(b, s, h, d)
+        else:
+            t = tensor((b, s, h, d), dtype, device, gen, source)
+        return t.transpose(1, 2) if layout == "bhsd" else t
+
+    q, k = make(hq, qd), make(hk, kd)
+    angle = torch.randn(cos_batch, s, d, generator=gen, dtype=torch.float64) * 3
+    cos, sin = (f(angle).to(device=device, dtype=csd) for f in (torch.cos, torch.sin))
+    u = 1 if layout == "bhsd" else 2
+    inputs = [q, k, cos, sin]
+    before = [t.clone() for t in inputs]
+    ours, eager = _leaves([q, k]), _leaves([q, k])
+    exact = [t.detach().double().requires_grad_() for t in (q, k)]
+    q_out, k_out = ampkernels.rotary_embedding(*ours, cos, sin, u, out_dtype=out_dtype, backend=backend)
+    outs = [t.to(o.dtype) for t, o in zip(reference.rotary_embedding(*eager, cos, sin, u), (q_out, k_out))]
+    outs64 = reference.rotary_embedding(*exact, cos.double(), sin.double(), u)
+    for name, got, x in (("q_out", q_out, q), ("k_out", k_out, k)):
+        want_dtype = out_dtype or torch.promote_types(x.dtype, csd)
+        assert got.dtype == want_dtype and got.shape == x.shape, f"{name} {got.dtype} {tuple(got.shape)}"
+    for name, got, same, want in (("q_out", q_out, outs[0], outs64[0]), ("k_out", k_out, outs[1], outs64[1])):
+        _assert_close_or_as_eager([(name, got)], [same], [want], got.dtype, "rotary_embedding")
+    dys = [torch.randn(t.shape, generator=gen).to(device=device, dtype=t.dtype) for t in (q_out, k_out)]
+    torch.autograd.backward((q_out, k_out), dys)
+    torch.autograd.backward(outs, dys)
+    torch.autograd.backward(outs64, [t.double() for t in dys])
+    for name, a, e, x in (("dq", ours[0], eager[0], exact[0]), ("dk", ours[1], eager[1], exact[1])):
+        assert a.grad.dtype == a.dtype, f"{name}: grad {a.grad.dtype}"
+        _assert_close_or_as_eager([(name, a.grad)], [e.grad], [x.grad], a.dtype, "rotary_embedding")
+    _assert_unmodified(inputs, before)
+
+
+@pytest.mark.gpu
+def test_rotary_gpu_cuda(request):
+    run_cases(request, 400, lambda rng, gen, p: rotary_case(rng, gen, p, "cuda", "cuda"))
+
+
+@pytest.mark.gpu
+def test_rotary_gpu_triton(request):
+    # the kernel compiles once per head dim (a constexpr) and dtype signature: a palette of both
+    run_cases(request, 60, lambda rng, gen, p: rotary_case(rng, gen, p, "triton", "cuda",
+                                                           (torch.float16, torch.bfloat16), (8, 128)))
+
+
+@needs_triton
+@cpu_only
+def test_rotary_triton_interpreter(request):
+    run_cases(request, 30, lambda rng, gen, p: rotary_case(rng, gen, p, "triton", "cpu",
+                                                           (torch.float16, torch.float32)))
+
+
+def test_rotary_torch_backend(request):
+    run_cases(request, 30, lambda rng, gen, p: rotary_case(rng, gen, p, "torch", "cpu"))
 
 
 # ---------------------------------------------------------------- linear_cross_entropy
