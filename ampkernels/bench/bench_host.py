@@ -17,7 +17,8 @@ Cases, all under autocast with fp32 parameters and (but for the last two) 16-bit
 - rotary_embedding of q and k (1 x 4 heads x 8 positions x 64, 16-bit; cos/sin fp32, as Hugging
   Face's LLaMA makes them) against Hugging Face's apply_rotary_pos_emb formula;
 - gated_linear_act (SwiGLU, 256 -> 1024) against F.silu(F.linear(x, Wg)) * F.linear(x, Wu);
-- linear_cross_entropy (8 rows of 256, vocab 1024) against F.cross_entropy(F.linear(x, W).float(), t).
+- linear_cross_entropy (8 rows of 256, vocab 1024) against F.cross_entropy(F.linear(x, W).float(), t)
+  ("auto" runs that composite itself at this size; cuda and triton the chunked op).
 
 Each call runs in its own autocast region (a step's forward casts each parameter once; one
 region around all calls would let torch reuse its cached casts). Host time of a call: the wall
