@@ -63,3 +63,10 @@ def _fresh_seed(request):
     # draws other inputs, reproducibly: rerunning a test over several k is how an
     # input-dependent failure is caught again.
     torch.manual_seed(input_seed(request.node.nodeid, os.environ.get("AMPKERNELS_TEST_SEED", "")))
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """The GEMM ops' C++ autograd on CPU: "cuda" chosen there, its kernel ops the reference."""
+    from tests.utils import cuda_kernels_on_cpu
+    yield from cuda_kernels_on_cpu(monkeypatch)

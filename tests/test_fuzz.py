@@ -31,7 +31,7 @@ import ampkernels
 from ampkernels import reference
 from tests.conftest import input_seed
 from tests.test_dtype_combos import ALL, CPU_DTYPES, ISSUE_31, NormCombo, check_norm, norm_combos
-from tests.utils import TOL, cuda_kernels_on_cpu, needs_triton_ops, rel_err
+from tests.utils import TOL, needs_triton_ops, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
 SCALE = float(os.environ.get("AMPKERNELS_FUZZ_SCALE", "1"))
@@ -461,12 +461,7 @@ def test_gated_torch_backend(request):
     run_cases(request, 30, lambda rng, gen, p: gated_case(rng, gen, p, "torch", "cpu", (torch.float32,)))
 
 
-@pytest.fixture
-def cuda_path_on_cpu(monkeypatch):
-    yield from cuda_kernels_on_cpu(monkeypatch)
-
-
-def test_gated_cuda_autograd_on_cpu(request, cuda_path_on_cpu):
+def test_gated_cuda_autograd_on_cpu(request, cpu_kernels):
     # the cuda backend's C++ autograd and routing, its kernels the CPU reference
     run_cases(request, 30, lambda rng, gen, p: gated_case(rng, gen, p, "cuda", "cpu", (torch.float32, torch.bfloat16)))
 

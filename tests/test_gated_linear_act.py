@@ -23,7 +23,7 @@ from ampkernels import _extension, backends, reference
 from ampkernels.ops import gated_linear_act as gla
 from ampkernels.ops import linear_act as la
 from ampkernels.ops.shared import autocast_dtypes
-from tests.utils import assert_rel_close, cuda_kernels_on_cpu, randn
+from tests.utils import assert_rel_close, randn
 
 os.environ.setdefault("AMPKERNELS_TRITON_AUTOTUNE", "0")  # one config per kernel (see test_linear_act.py)
 
@@ -35,12 +35,6 @@ _TRITON_OPS = backends._available("triton")[0] and _extension.load()  # the ops 
 needs_triton = pytest.mark.skipif(not _TRITON_OPS, reason="triton unavailable, or the extension (the ops) not built")
 cpu_triton = pytest.mark.skipif(HAS_CUDA or not _TRITON_OPS,
                                 reason="CPU interpreter tier with the extension (the GPU tier covers triton on CUDA)")
-
-
-@pytest.fixture
-def cpu_kernels(monkeypatch):
-    """The ops' C++ autograd on CPU: "cuda" chosen there, its kernel ops the reference."""
-    yield from cuda_kernels_on_cpu(monkeypatch)
 
 
 def _inputs(m, k, h, dtype, device, biases=(True, True), lead=(), packed=False):
@@ -453,7 +447,7 @@ def _opcheck(backend, dtype):
     torch.library.opcheck(kernels["gated_act_bwd"], (randn(8, 16, dtype=dtype), gu, torch.empty_like(gu), silu, True))
 
 
-def test_opcheck_cpu_reference_as_cuda_kernels(cpu_kernels):
+def test_opcheck_cpu_cpu_kernels(cpu_kernels):
     _opcheck("cuda", torch.float32)
 
 

@@ -23,7 +23,7 @@ import ampkernels
 from ampkernels import _extension, backends, reference
 from ampkernels.ops import linear_act as la
 from ampkernels.ops.shared import autocast_dtypes
-from tests.utils import assert_rel_close, cuda_kernels_on_cpu, needs_triton_ops, poison_, randn
+from tests.utils import assert_rel_close, needs_triton_ops, poison_, randn
 
 # one Triton config per kernel: the session compiles each (activation, dtype) variant once
 # instead of once per autotune config (the benchmark runs the autotuned kernels)
@@ -377,7 +377,7 @@ def _saved_hidden(backend, activation, recompute, device="cpu", dtype=torch.floa
 
 
 @pytest.mark.parametrize("activation", ACTS)
-def test_backward_saves_one_hidden_tensor(reference_as_cuda_kernels, activation):
+def test_backward_saves_one_hidden_tensor(cpu_kernels, activation):
     # the op's C++ autograd (the kernels stood in for on CPU)
     hidden, y = _saved_hidden("cuda", activation, recompute=False, dtype=torch.bfloat16)
     assert len(hidden) == (0 if activation == "identity" else 1)
@@ -404,7 +404,7 @@ def test_recompute_gives_the_same_grads(activation):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "squared_relu", "identity"])
-def test_recompute_gives_the_same_grads_cpp_autograd(reference_as_cuda_kernels, activation):
+def test_recompute_gives_the_same_grads_cpp_autograd(cpu_kernels, activation):
     _grads_with_and_without_recompute(activation, "cuda", torch.bfloat16)
 
 
@@ -555,7 +555,7 @@ def _opcheck(backend, dtype, device):
                           (dy.clone(), pre, gelu, True))
 
 
-def test_opcheck_cpu_reference_as_cuda_kernels(reference_as_cuda_kernels):
+def test_opcheck_cpu_reference_as_cuda_kernels(cpu_kernels):
     _opcheck("cuda", torch.bfloat16, "cpu")
 
 
@@ -1039,19 +1039,12 @@ def test_pingpong_is_on_by_default_and_hopper_only(monkeypatch):
 
 # ---------------------------------------------------------------- the op's C++ autograd, on CPU
 
-@pytest.fixture
-def reference_as_cuda_kernels(monkeypatch):
-    """The cuda kernel ops run the reference on CPU: the op's C++ autograd, which reaches them
-    through the dispatcher, checked there."""
-    yield from cuda_kernels_on_cpu(monkeypatch)
-
-
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [(7,), (2, 3), ()])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_cpp_autograd_matches_torch_backend(reference_as_cuda_kernels, activation, master, bias, lead, recompute):
+def test_cpp_autograd_matches_torch_backend(cpu_kernels, activation, master, bias, lead, recompute):
     # x of any rank goes to the op as it is (the rows are viewed below autograd); fp32 master
     # weights are cast inside and get fp32 gradients
     k, n = 24, 40
@@ -1076,7 +1069,7 @@ def test_cpp_autograd_matches_torch_backend(reference_as_cuda_kernels, activatio
             assert_rel_close(a, e.double(), torch.bfloat16, what=f"{activation} grad of {tuple(t.shape)}")
 
 
-def test_cpp_autograd_of_nd_x_keeps_inplace_checks(reference_as_cuda_kernels):
+def test_cpp_autograd_of_nd_x_keeps_inplace_checks(cpu_kernels):
     # the rows are viewed below autograd, and the saved ReLU output is the returned tensor itself:
     # editing it in place is allowed (it is no view in autograd's eyes) and caught by backward
     x = randn(2, 3, 24, dtype=torch.bfloat16).requires_grad_()
@@ -1089,7 +1082,7 @@ def test_cpp_autograd_of_nd_x_keeps_inplace_checks(reference_as_cuda_kernels):
 
 
 @pytest.mark.parametrize("activation,recompute", [("gelu", False), ("relu", False), ("gelu", True)])
-def test_cpp_autograd_node_lifecycle(reference_as_cuda_kernels, activation, recompute):
+def test_cpp_autograd_node_lifecycle(cpu_kernels, activation, recompute):
     # the hand-written node as torch's own: what it saves goes through saved-tensor hooks (x, the
     # cast weight, then the bias if recomputing, then the hidden tensor: ReLU's is the output;
     # under autocast x and the parameters in bf16),
@@ -1117,7 +1110,7 @@ def test_cpp_autograd_node_lifecycle(reference_as_cuda_kernels, activation, reco
                           weight, None, activation)
 
 
-def test_cpp_op_without_grad_runs_the_forward_alone(reference_as_cuda_kernels):
+def test_cpp_op_without_grad_runs_the_forward_alone(cpu_kernels):
     x, w = randn(5, 24, dtype=torch.bfloat16), randn(40, 24, dtype=torch.bfloat16).requires_grad_()
     with torch.no_grad():
         y = la.linear_act(x, w, None, "gelu")

@@ -7,13 +7,7 @@ import torch.nn.functional as F
 from ampkernels import _extension, backends, reference
 from ampkernels.ops.mlp import fused_mlp
 from tests import memory
-from tests.utils import assert_rel_close, cuda_kernels_on_cpu, needs_extension, randn
-
-
-@pytest.fixture
-def cpu_kernels(monkeypatch):
-    """The op's C++ autograd on CPU: "cuda" chosen there, its kernel ops the reference."""
-    yield from cuda_kernels_on_cpu(monkeypatch)
+from tests.utils import assert_rel_close, needs_extension, randn
 
 
 def _inputs(m, k, h, n, dtype=torch.float32, device="cpu", bias=True):

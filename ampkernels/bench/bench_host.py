@@ -112,7 +112,8 @@ def _norm_module_case(op, residual=False):
 
     def setup(device, dtype):
         x = torch.randn(2, ROWS // 2, HIDDEN, device=device, requires_grad=True)  # fp32: the stream
-        branch = torch.randn(2, ROWS // 2, HIDDEN, device=device, dtype=dtype, requires_grad=True)
+        branch = None if not residual else torch.randn(2, ROWS // 2, HIDDEN, device=device, dtype=dtype,
+                                                       requires_grad=True)
         theirs, ours = (torch.nn.LayerNorm, aknn.LayerNorm) if op == "layer_norm" else (torch.nn.RMSNorm, aknn.RMSNorm)
         module, eager = ours(HIDDEN, out_dtype="autocast").to(device), theirs(HIDDEN).to(device)
         for name, p in module.named_parameters():

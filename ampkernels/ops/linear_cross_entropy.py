@@ -654,12 +654,11 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, lab
     device = x.device
     x, cast_to = autocast_dtypes("linear_cross_entropy", x, (weight, bias), ("weight", "bias"))  # weights cast in the op
     k, v = x.shape[-1], weight.shape[0]
+    x2, t2 = x.reshape(-1, k), target.reshape(-1).to(torch.int64)
     if _runs_composite(backend, x, math.prod(x.shape[:-1]), v):
-        loss = _composite(x.reshape(-1, k), weight, bias, target.reshape(-1).to(torch.int64), cast_to, ignore_index,
-                          label_smoothing, reduction)
+        loss = _composite(x2, weight, bias, t2, cast_to, ignore_index, label_smoothing, reduction)
         return loss.reshape(target.shape) if reduction == "none" else loss
-    x2 = x.reshape(-1, k).contiguous()
-    t2 = target.reshape(-1).to(torch.int64).contiguous()
+    x2, t2 = x2.contiguous(), t2.contiguous()
     _check_target_range(t2, v, ignore_index)
     unsupported = None if x.dtype in _KERNEL_DTYPES else f"dtype {x.dtype} is not float16/bfloat16"
     name = _choose(backend, device, x.dtype, unsupported)
