@@ -224,6 +224,27 @@ def test_masked_lm_rows_kept_in_eager_all_rows_under_compile():
     torch.testing.assert_close(eager, ref(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
 
 
+def test_masked_lm_finds_its_rows_before_the_base_model_runs():
+    # the row search syncs with the GPU: made before the encoder's work is queued, it waits for none of it
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    model, _ = _bert()
+    ids, labels = _mlm_batch(model)
+    with Calls() as calls:
+        model(input_ids=ids, labels=labels)
+    assert "nonzero" in calls.names and "embedding" in calls.names
+    assert calls.names.index("nonzero") < calls.names.index("embedding")
+
+
 def test_masked_lm_edges_eval_and_unfuse():
     model, ref = _bert()
     ids, labels = _mlm_batch(model)

@@ -25,7 +25,8 @@ fuse_masked_lm_loss does the same for a masked LM whose head is BERT's (BertForM
 models built like it: base model -> head.transform -> head.decoder -> CrossEntropyLoss() over
 the flattened logits and labels, ignore_index -100). Only the labelled tokens need the head: in
 eager mode the wrapper keeps those rows (one host sync: `nonzero`) and runs the transform and
-the fused loss on them alone (15% of the tokens in BERT's recipe); under torch.compile, where
+the fused loss on them alone (15% of the tokens in BERT's recipe), found before the base model
+runs so that the sync waits for no work of the step; under torch.compile, where
 the row count would be data-dependent, it runs every row and the loss ignores the unlabelled
 ones.
 """
@@ -155,36 +156,46 @@ def _forward_info(cls, default_output=None):
     return sig, var_kw, out_cls, tuple(f.name for f in dataclasses.fields(out_cls))
 
 
-def _causal_loss(self, hidden, labels, extra, backend):
+def _causal_loss(self, labels, extra, backend):
     ignore_index = extra.get("ignore_index", -100)
     shift = extra.get("shift_labels")
     if shift is None:
         shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    if shift.numel() != hidden.shape[:-1].numel():
-        return None  # labels not aligned with the hidden states: the model knows
-    shift = shift.to(hidden.device).reshape(hidden.shape[:-1])
     head = self.get_output_embeddings()
     n_items = extra.get("num_items_in_batch")
-    loss = linear_cross_entropy(hidden, head.weight, shift, head.bias, ignore_index=ignore_index,
-                                reduction="mean" if n_items is None else "sum", backend=backend)
-    if n_items is not None:
-        loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
+
+    def loss(hidden):
+        if shift.numel() != hidden.shape[:-1].numel():
+            return None  # labels not aligned with the hidden states: the model knows
+        out = linear_cross_entropy(hidden, head.weight, shift.to(hidden.device).reshape(hidden.shape[:-1]), head.bias,
+                                   ignore_index=ignore_index, reduction="mean" if n_items is None else "sum",
+                                   backend=backend)
+        if n_items is not None:
+            out = out / (n_items.to(out.device) if torch.is_tensor(n_items) else n_items)
+        return out
     return loss
 
 
-def _masked_loss(self, hidden, labels, extra, backend):
-    if labels.numel() != hidden.shape[:-1].numel():
-        return None
+def _masked_loss(self, labels, extra, backend):
     pred = self.get_submodule(getattr(self, _HEAD_ATTR))
-    h = hidden.reshape(-1, hidden.shape[-1])
-    t = labels.to(hidden.device).reshape(-1)
+    t = labels.to(pred.decoder.weight.device).reshape(-1)
+    keep = None
     if not torch.compiler.is_compiling():
-        # only the labelled rows need the head (one host sync; under compile the count would be
-        # data-dependent, so there every row runs and the loss ignores the unlabelled ones)
+        # only the labelled rows need the head. Finding them syncs with the GPU, so it happens
+        # here, before the base model's work is queued: the host waits for what earlier steps
+        # queued, not for this step's encoder. (Under compile the count would be data-dependent:
+        # every row runs and the loss ignores the unlabelled ones.)
         keep = (t != -100).nonzero().squeeze(1)
-        h, t = h.index_select(0, keep), t.index_select(0, keep)
-    return linear_cross_entropy(pred.transform(h), pred.decoder.weight, t, pred.decoder.bias, ignore_index=-100,
-                                backend=backend)
+
+    def loss(hidden):
+        if t.numel() != hidden.shape[:-1].numel():
+            return None
+        h, target = hidden.reshape(-1, hidden.shape[-1]), t
+        if keep is not None:
+            h, target = h.index_select(0, keep), t.index_select(0, keep)
+        return linear_cross_entropy(pred.transform(h), pred.decoder.weight, target, pred.decoder.bias,
+                                    ignore_index=-100, backend=backend)
+    return loss
 
 
 def _fused_forward(self, info, loss_fn, *args, **kwargs):
@@ -205,9 +216,10 @@ def _fused_forward(self, info, loss_fn, *args, **kwargs):
     arguments.pop("logits_to_keep", None)
     return_dict = extra.pop("return_dict", getattr(self.config, "return_dict", True))
     return_dict = True if return_dict is None else return_dict
+    loss_of = loss_fn(self, labels, extra, backend)  # before the base model: see _masked_loss
     outputs = self.base_model(**arguments, **extra)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    loss = loss_fn(self, hidden, labels, extra, backend)
+    loss = loss_of(hidden)
     if loss is None:
         return cls.forward(self, *args, **kwargs)
     values = {name: getattr(outputs, name, None) for name in fields}
