@@ -225,6 +225,9 @@ def test_auto_runs_the_composite_only_for_small_logits_on_cuda(monkeypatch):
     assert not lce._runs_composite(None, cuda, n // 1024 + 1, 1024)  # above: the chunked op
     assert not lce._runs_composite(None, cpu, 8, 1024)  # CPU: the torch backend, its checks and messages
     assert not lce._runs_composite("cuda", cuda, 8, 1024)  # a backend asked for runs
+    # a row count known only at run time (masked-LM rows under torch.compile): the op, no guard error
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    assert not lce._runs_composite(None, cuda, ShapeEnv().create_unbacked_symint(), 1024)
     monkeypatch.setenv("AMPKERNELS_BACKEND", "triton")
     assert not lce._runs_composite(None, cuda, 8, 1024)
 

@@ -24,11 +24,10 @@ head), a custom loss_function, or a forward already wrapped by someone else.
 fuse_masked_lm_loss does the same for a masked LM whose head is BERT's (BertForMaskedLM and the
 models built like it: base model -> head.transform -> head.decoder -> CrossEntropyLoss() over
 the flattened logits and labels, ignore_index -100). Only the labelled tokens need the head: in
-eager mode the wrapper keeps those rows (one host sync: `nonzero`) and runs the transform and
-the fused loss on them alone (15% of the tokens in BERT's recipe), found before the base model
-runs so that the sync waits for no work of the step; under torch.compile, where
-the row count would be data-dependent, it runs every row and the loss ignores the unlabelled
-ones.
+the wrapper keeps those rows and runs the transform and the fused loss on them alone (15% of the
+tokens in BERT's recipe). Finding them is one host sync (`nonzero`), made before the base model
+runs so that it waits for no work of the step; under torch.compile it is an op whose length is
+known at run time, so the graph neither breaks nor recompiles when the count changes.
 """
 import ast
 import dataclasses
@@ -176,25 +175,32 @@ def _causal_loss(self, labels, extra, backend):
     return loss
 
 
+@torch.library.custom_op("ampkernels::labelled_rows", mutates_args=())
+def labelled_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The indices of target's entries that are not ignore_index. An op, so that torch.compile
+    traces it with a data-dependent length (fullgraph too) instead of breaking the graph."""
+    return (target != ignore_index).nonzero().squeeze(1)
+
+
+@labelled_rows.register_fake
+def _(target, ignore_index):
+    return target.new_empty((torch.library.get_ctx().new_dynamic_size(max=target.numel()),), dtype=torch.long)
+
+
 def _masked_loss(self, labels, extra, backend):
     pred = self.get_submodule(getattr(self, _HEAD_ATTR))
     t = labels.to(pred.decoder.weight.device).reshape(-1)
-    keep = None
-    if not torch.compiler.is_compiling():
-        # only the labelled rows need the head. Finding them syncs with the GPU, so it happens
-        # here, before the base model's work is queued: the host waits for what earlier steps
-        # queued, not for this step's encoder. (Under compile the count would be data-dependent:
-        # every row runs and the loss ignores the unlabelled ones.)
-        keep = (t != -100).nonzero().squeeze(1)
+    # only the labelled rows need the head. Finding them syncs with the GPU, so it happens here,
+    # before the base model's work is queued: the host waits for what earlier steps queued, not
+    # for this step's encoder.
+    keep = labelled_rows(t, -100)
 
     def loss(hidden):
         if t.numel() != hidden.shape[:-1].numel():
             return None
-        h, target = hidden.reshape(-1, hidden.shape[-1]), t
-        if keep is not None:
-            h, target = h.index_select(0, keep), t.index_select(0, keep)
-        return linear_cross_entropy(pred.transform(h), pred.decoder.weight, target, pred.decoder.bias,
-                                    ignore_index=-100, backend=backend)
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
+        return linear_cross_entropy(pred.transform(h), pred.decoder.weight, t.index_select(0, keep),
+                                    pred.decoder.bias, ignore_index=-100, backend=backend)
     return loss
 
 

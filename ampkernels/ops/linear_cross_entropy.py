@@ -53,6 +53,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .. import backends
 from .shared import autocast_dtypes, torch_path_params
@@ -563,7 +564,9 @@ def _auto_requested(backend):
 
 
 def _runs_composite(backend, x, m, v):
-    return x.is_cuda and m * v <= _COMPOSITE_MAX_LOGITS and _auto_requested(backend)
+    # guard_or_false: a row count known only at run time (masked-LM rows under torch.compile)
+    # takes the op, which any size suits
+    return x.is_cuda and guard_or_false(m * v <= _COMPOSITE_MAX_LOGITS) and _auto_requested(backend)
 
 
 def _composite(x, weight, bias, target, cast_to, ignore_index, label_smoothing, reduction):
