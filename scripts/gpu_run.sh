@@ -13,10 +13,10 @@
 # spaces, so a -k expression there must be one word); GPU_TESTS_K: a -k expression of any length
 # (its words also match the names of the directories above the tests: use words only test names
 # have); GPU_TESTS_SHARD=K/N: the K-th of N shards of them (tests/conftest.py), so that a tier
-# longer than one call runs over N warm calls; GPU_TEST_WORKERS: pytest-xdist workers (12,
-# handing out tests one at a time: the tier's time goes to compiling kernels, on the host's
-# cores; 0 runs in one process). The 15 slowest tests are listed at the end of tests.log, every
-# test's time is in tests.xml.
+# longer than one call runs over N warm calls; GPU_TEST_WORKERS: pytest-xdist workers (12: the
+# tier's time goes to compiling kernels, on the host's cores; 0 runs in one process). Shards and
+# workers are balanced by tests/gpu_durations.json. The 15 slowest tests are listed at the end of
+# tests.log, every test's time is in tests.xml (scripts/test_durations.py updates the file from it).
 # GPU_BENCH: benchmark ops (ampkernels/bench/bench_<op>.py; "all" by default, "none" skips);
 # BENCH_ARGS: passed on.
 # AMPKERNELS_COMMIT names the commit in result rows; set it literally, from this side's git (the
