@@ -176,11 +176,11 @@ def _causal_loss(self, labels, extra, backend):
 
 
 # it syncs with the GPU, so no CUDA graph may hold it (inductor also leaves graphs with its
-# run-time length out of CUDA graphs)
-_SYNCS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# run-time length out of CUDA graphs); torch without the tag takes no tags here
+_SYNCS = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
 
 
-@torch.library.custom_op("ampkernels::labelled_rows", mutates_args=(), tags=_SYNCS)
+@torch.library.custom_op("ampkernels::labelled_rows", mutates_args=(), **_SYNCS)
 def labelled_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """The indices of target's entries that are not ignore_index. An op, so that torch.compile
     traces it with a data-dependent length (fullgraph too) instead of breaking the graph."""

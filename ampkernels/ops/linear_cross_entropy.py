@@ -53,7 +53,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+try:
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+except ImportError:  # torch < 2.8: no guard at all, False unless provable
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as guard_or_false
 
 from .. import backends
 from .shared import autocast_dtypes, torch_path_params
