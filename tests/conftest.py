@@ -94,6 +94,7 @@ def _order_for_workers(items):
     items[:] = [items[i] for b in bins for i in b]
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k deselect: shards and blocks of the tests that run
 def pytest_collection_modifyitems(config, items):
     _shard(config, items)
     _order_for_workers(items)
