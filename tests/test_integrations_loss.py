@@ -220,6 +220,19 @@ def test_masked_lm_runs_the_head_on_the_labelled_rows_alone():
     assert seen == [int((labels != -100).sum())]
 
 
+def test_masked_lm_while_capturing_a_cuda_graph_runs_every_row(monkeypatch):
+    # the row search would sync, which a capture forbids: every row, the unlabelled ones ignored
+    import ampkernels.integrations.loss as loss_mod
+    model, ref = _bert()
+    ids, labels = _mlm_batch(model)
+    seen = []
+    model.cls.predictions.transform.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+    monkeypatch.setattr(loss_mod, "_capturing", lambda t: True)
+    got = model(input_ids=ids, labels=labels).loss
+    assert seen == [ids.numel()]
+    torch.testing.assert_close(got, ref(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+
+
 def test_masked_lm_under_compile_one_graph_for_any_count_of_labelled_rows():
     # inductor, fullgraph: the labelled rows are found in the graph (a length known at run time),
     # so no graph break and no recompile when the count changes; loss and gradients as eager's
@@ -348,3 +361,26 @@ def test_gpu_masked_lm_autocast_training_matches(backend, compiled):
         if q.grad is not None and not n.endswith("key.bias"):
             err = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
             assert err < 2e-2, (n, err)
+
+
+@pytest.mark.gpu
+def test_gpu_masked_lm_loss_in_a_cuda_graph():
+    # captured, the head runs on every row (the row search would sync); replayed, the same loss
+    model, ref = _bert(vocab=1003)
+    model.cuda()
+    ref.cuda()
+    ids, labels = (a.cuda() for a in _mlm_batch(model, b=4, t=48, rate=0.15))
+    with torch.no_grad():
+        want = ref(input_ids=ids, labels=labels).loss
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                model(input_ids=ids, labels=labels)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = model(input_ids=ids, labels=labels).loss
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -192,20 +192,29 @@ def _(target, ignore_index):
     return target.new_empty((torch.library.get_ctx().new_dynamic_size(max=target.numel()),), dtype=torch.long)
 
 
+def _capturing(t):
+    """Whether a CUDA graph is being captured on t's device (in eager mode: under torch.compile
+    inductor keeps labelled_rows out of its CUDA graphs)."""
+    return not torch.compiler.is_compiling() and t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _masked_loss(self, labels, extra, backend):
     pred = self.get_submodule(getattr(self, _HEAD_ATTR))
     t = labels.to(pred.decoder.weight.device).reshape(-1)
     # only the labelled rows need the head. Finding them syncs with the GPU, so it happens here,
     # before the base model's work is queued: the host waits for what earlier steps queued, not
-    # for this step's encoder.
-    keep = labelled_rows(t, -100)
+    # for this step's encoder. A CUDA graph being captured cannot sync: there every row runs and
+    # the loss ignores the unlabelled ones.
+    keep = None if _capturing(t) else labelled_rows(t, -100)
 
     def loss(hidden):
         if t.numel() != hidden.shape[:-1].numel():
             return None
-        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
-        return linear_cross_entropy(pred.transform(h), pred.decoder.weight, t.index_select(0, keep),
-                                    pred.decoder.bias, ignore_index=-100, backend=backend)
+        h, target = hidden.reshape(-1, hidden.shape[-1]), t
+        if keep is not None:
+            h, target = h.index_select(0, keep), t.index_select(0, keep)
+        return linear_cross_entropy(pred.transform(h), pred.decoder.weight, target, pred.decoder.bias,
+                                    ignore_index=-100, backend=backend)
     return loss
 
 
