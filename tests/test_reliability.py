@@ -15,15 +15,27 @@ KERNELS = ["cuda", "triton"]
 
 def _ops(backend, dtype=torch.float16, n=1000, device="cuda"):
     """(name, fn(x) -> out, input) for each op family, with fresh params."""
+    from ampkernels.ops.mlp import fused_mlp
     w = torch.randn(n, device=device) * 0.1 + 1
     b = torch.randn(n, device=device) * 0.1
-    lw = (torch.randn(264, n, device=device) * n**-0.5).to(dtype)
+    lw, uw = ((torch.randn(264, n, device=device) * n**-0.5).to(dtype) for _ in range(2))
     lb = torch.randn(264, device=device).to(dtype)
+    dw = (torch.randn(n, 264, device=device) * 264**-0.5).to(dtype)
     x = torch.randn(333, n, device=device).to(dtype)
+    target = torch.randint(0, 264, (333,), device=device)
+    target[::7] = -100
+    k = torch.randn(1, 333, 2, 100, device=device).to(dtype)
+    angle = torch.randn(1, 333, 100, device=device)
+    cos, sin = angle.cos(), angle.sin()
     return [
         ("layer_norm", lambda t: ampkernels.layer_norm(t, (n,), w, b, backend=backend), x),
         ("rms_norm", lambda t: ampkernels.rms_norm(t, (n,), w, 1e-6, backend=backend), x),
         ("linear_act", lambda t: ampkernels.linear_act(t, lw, lb, "gelu_tanh", backend=backend), x),
+        ("fused_mlp", lambda t: fused_mlp(t, lw, lb, dw, None, "relu", backend=backend), x),
+        ("gated_linear_act", lambda t: ampkernels.gated_linear_act(t, lw, uw, lb, None, "silu", backend=backend), x),
+        ("linear_cross_entropy", lambda t: ampkernels.linear_cross_entropy(t, lw, target, lb, backend=backend), x),
+        ("rotary_embedding", lambda t: ampkernels.rotary_embedding(t.view(1, 333, 10, 100), k, cos, sin, 2,
+                                                                   backend=backend)[0], x),
     ]
 
 
