@@ -220,6 +220,14 @@ def test_masked_lm_runs_the_head_on_the_labelled_rows_alone():
     assert seen == [int((labels != -100).sum())]
 
 
+def test_labelled_rows_op():
+    from ampkernels.integrations.loss import labelled_rows
+    t = torch.tensor([3, -100, 5, -100, 7, 0])
+    assert labelled_rows(t, -100).tolist() == [0, 2, 4, 5] and labelled_rows(t, 0).tolist() == [0, 1, 2, 3, 4]
+    assert labelled_rows(torch.full((4,), -100), -100).numel() == 0
+    torch.library.opcheck(torch.ops.ampkernels.labelled_rows.default, (t, -100))  # dynamic shapes among its checks
+
+
 def test_masked_lm_while_capturing_a_cuda_graph_runs_every_row(monkeypatch):
     # the row search would sync, which a capture forbids: every row, the unlabelled ones ignored
     import ampkernels.integrations.loss as loss_mod

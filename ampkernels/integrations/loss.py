@@ -189,7 +189,10 @@ def labelled_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 @labelled_rows.register_fake
 def _(target, ignore_index):
-    return target.new_empty((torch.library.get_ctx().new_dynamic_size(max=target.numel()),), dtype=torch.long)
+    n, ctx = target.numel(), torch.library.get_ctx()
+    # the bound only where it is a number: with dynamic shapes numel is symbolic, which torch refuses there
+    size = ctx.new_dynamic_size(max=n) if isinstance(n, int) else ctx.new_dynamic_size()
+    return target.new_empty((size,), dtype=torch.long)
 
 
 def _capturing(t):
