@@ -271,6 +271,22 @@ def test_masked_lm_under_compile_one_graph_for_any_count_of_labelled_rows():
     torch._dynamo.reset()
 
 
+def test_converted_masked_lm_under_compile_with_dynamic_shapes():
+    # as the e2e benchmark converts BERT: the head's converted Linear + GELU and LayerNorm see a
+    # row count known only at run time, which their size decisions must not guard on (fullgraph)
+    from ampkernels.integrations import transformers as ak_hf
+    model, ref = _bert()
+    unfuse_causal_lm_loss(model)
+    ak_hf.apply(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for t in (13, 17):
+        ids, labels = _mlm_batch(model, t=t)
+        torch.testing.assert_close(compiled(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss,
+                                   rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_masked_lm_finds_its_rows_before_the_base_model_runs():
     # the row search syncs with the GPU: made before the encoder's work is queued, it waits for none of it
     from torch.overrides import TorchFunctionMode
@@ -350,10 +366,15 @@ def test_masked_lm_other_structures_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend, compiled", [("cuda", False), ("triton", False), ("cuda", True), (None, True)])
 def test_gpu_masked_lm_autocast_training_matches(backend, compiled):
-    # compiled: the labelled rows' count is known only at run time, in the graph and in the op
+    # compiled: the labelled rows' count is known only at run time, in the graph and in the op;
+    # converted as the e2e benchmark converts BERT (the head's Linear + GELU and LayerNorm too)
     model, ref = _bert(vocab=1003)
     model.cuda()
     ref.cuda()
+    if compiled:
+        from ampkernels.integrations import transformers as ak_hf
+        unfuse_causal_lm_loss(model)
+        ak_hf.apply(model, backend=backend)
     fuse_masked_lm_loss(model, backend=backend)
     ids, labels = (a.cuda() for a in _mlm_batch(model, b=4, t=48, rate=0.15))
     torch._dynamo.reset()

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _extension, backends, reference
-from .shared import (BUCKETS, LINEAR_ACT, autocast_dtypes, gemm_entry, gemm_entry_key, gemm_unsupported, kernel_op,
-                     torch_path_params)
+from .shared import (BUCKETS, LINEAR_ACT, autocast_dtypes, gemm_entry, gemm_entry_key, gemm_unsupported,
+                     guard_or_false, kernel_op, torch_path_params)
 from ..triton import device_index, device_properties
 
 ACT_ID = {name: i for i, name in enumerate(reference.ACTIVATIONS)}
@@ -189,8 +189,10 @@ BUCKET_BOUNDS = (1 << 32, 1 << 34, 1 << 37)  # M*N*K below which a call is "tiny
 
 
 def shape_bucket(m, n, k):
+    # traced by dynamo (bisect is not); a row count known only at run time (masked-LM rows under
+    # torch.compile, where the bucket decides nothing) counts as below every bound
     work = m * n * k
-    return BUCKETS[sum(work >= bound for bound in BUCKET_BOUNDS)]  # traced by dynamo (bisect is not)
+    return BUCKETS[sum(guard_or_false(work >= bound) for bound in BUCKET_BOUNDS)]
 
 
 def not_cuda_first(first):

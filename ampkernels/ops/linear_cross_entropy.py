@@ -54,13 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:
-    from torch.fx.experimental.symbolic_shapes import guard_or_false
-except ImportError:  # torch < 2.8: no guard at all, False unless provable
-    from torch.fx.experimental.symbolic_shapes import statically_known_true as guard_or_false
-
 from .. import backends
-from .shared import autocast_dtypes, torch_path_params
+from .shared import autocast_dtypes, guard_or_false, torch_path_params
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum", "none")

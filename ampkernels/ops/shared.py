@@ -5,6 +5,11 @@ import torch
 
 from .. import _extension, backends
 
+try:  # a size decision on a count known only at run time (under torch.compile): False, no guard
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+except ImportError:  # torch < 2.8: False unless provable
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as guard_or_false
+
 _LIB = torch.library.Library("ampkernels", "FRAGMENT")
 
 
