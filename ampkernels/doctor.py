@@ -109,7 +109,8 @@ def _compile_autocast(device=None):
     """Whether torch.compile, compiling one function under fp16 and then bf16 autocast, runs the
     bf16 region in bf16. Torch before the fix of pytorch#181564 (2.11 among them) keys its
     AOTAutograd cache without the autocast dtype and serves the fp16 graph there: fp16 math, no
-    loss scaling, no error. Two tiny compiles, so a few seconds."""
+    loss scaling, no error. Two tiny compiles, so a few seconds; it resets torch._dynamo (the
+    doctor runs in its own process)."""
     device = device or ("cuda" if torch.cuda.is_available() else None)
     if device is None:
         return {"ok": None, "detail": "skipped: no CUDA device"}
