@@ -3,8 +3,7 @@
 Reports the GPU and its Tensor Core generation (and whether fp16/bf16 AMP pays off on
 it), torch / CUDA / cuDNN / Triton versions and whether they agree, the compiled
 extension (loaded? for which archs? do they cover this GPU?), each backend's status, a
-one-step autocast + GradScaler smoke run through ampkernels, whether torch.compile keeps
-graphs of fp16 and bf16 autocast apart, and a verdict line.
+one-step autocast + GradScaler smoke run through ampkernels, and a verdict line.
 """
 import importlib.metadata
 import json
@@ -105,39 +104,6 @@ def _smoke():
         return {"ok": False, "detail": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
-def _compile_autocast(device=None):
-    """Whether torch.compile, compiling one function under fp16 and then bf16 autocast, runs the
-    bf16 region in bf16. Torch before the fix of pytorch#181564 (2.11 among them) keys its
-    AOTAutograd cache without the autocast dtype and serves the fp16 graph there: fp16 math, no
-    loss scaling, no error. Two tiny compiles, so a few seconds; it resets torch._dynamo (the
-    doctor runs in its own process)."""
-    device = device or ("cuda" if torch.cuda.is_available() else None)
-    if device is None:
-        return {"ok": None, "detail": "skipped: no CUDA device"}
-    if device == "cuda" and not torch.cuda.is_bf16_supported():
-        return {"ok": None, "detail": "skipped: no bf16 on this GPU"}
-
-    def f(x, w):
-        return torch.mm(x, w).relu()
-
-    try:
-        x = torch.randn(16, 16, device=device, requires_grad=True)
-        w = torch.randn(16, 16, device=device, requires_grad=True)
-        got = []
-        for dtype in (torch.float16, torch.bfloat16):
-            torch._dynamo.reset()  # a fresh compile, as a second torch.compile or a new process makes
-            with torch.autocast(device, dtype=dtype):
-                got.append(torch.compile(f)(x, w).dtype)
-        torch._dynamo.reset()
-    except Exception as e:  # noqa: BLE001 -- a diagnosis, not a failure of ampkernels
-        return {"ok": None, "detail": f"not checked: {type(e).__name__}: {str(e)[:200]}"}
-    if got[1] == torch.bfloat16:
-        return {"ok": True, "detail": "a graph compiled under fp16 autocast is not reused under bf16"}
-    return {"ok": False, "detail": f"torch.compile ran a bf16 autocast region in {got[1]}: its AOTAutograd cache "
-                                   "ignores the autocast dtype (pytorch#181564); when one process compiles a "
-                                   "model under both dtypes, set TORCHINDUCTOR_AUTOGRAD_CACHE=0"}
-
-
 def collect():
     gpu = _gpu()
     v = _versions()
@@ -154,7 +120,6 @@ def collect():
                       "covers_this_gpu": covers},
         "backends": {k: {"available": a, "reason": r} for k, (a, r) in avail.items()},
         "smoke": _smoke(),
-        "compile_autocast": _compile_autocast(),
     }
     report["verdict"] = _verdict(report)
     return report
@@ -168,8 +133,7 @@ def _verdict(r):
         return f"PROBLEM: the AMP smoke step failed ({r['smoke']['detail']})"
     if not live:
         return "DEGRADED: no kernel backend is live; only the torch reference runs (see backends above)"
-    issues = "; ".join(r["version_issues"] + ([r["compile_autocast"]["detail"]]
-                                              if r["compile_autocast"]["ok"] is False else []))
+    issues = "; ".join(r["version_issues"])
     return f"OK: {', '.join(live)} backend(s) live on {r['gpu']['name']} (sm_{r['gpu']['cc'].replace('.', '')})" + \
         (f"; check: {issues}" if issues else "")
 
@@ -195,7 +159,6 @@ def format_text(r):
     for name, b in r["backends"].items():
         lines.append(f"backend       {name:7s} {'live' if b['available'] else 'off '}  {b['reason']}")
     lines.append(f"smoke         {r['smoke']['detail']}")
-    lines.append(f"compile       {r['compile_autocast']['detail']}")
     lines.append(f"verdict       {r['verdict']}")
     return "\n".join(lines)
 
