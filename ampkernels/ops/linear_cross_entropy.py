@@ -47,7 +47,6 @@ host ~10 us a call more than an autograd Function; this one runs once a step.
 Pieces, in the order data meets them: chunked implementation -> custom ops (forward, backward)
 with fakes -> autograd -> "auto" -> functional API.
 """
-import math
 from typing import Optional
 
 import torch
@@ -657,7 +656,7 @@ def linear_cross_entropy(x, weight, target, bias=None, *, ignore_index=-100, lab
     x, cast_to = autocast_dtypes("linear_cross_entropy", x, (weight, bias), ("weight", "bias"))  # weights cast in the op
     k, v = x.shape[-1], weight.shape[0]
     x2, t2 = x.reshape(-1, k), target.reshape(-1).to(torch.int64)
-    if _runs_composite(backend, x, math.prod(x.shape[:-1]), v):
+    if _runs_composite(backend, x, x2.shape[0], v):
         loss = _composite(x2, weight, bias, t2, cast_to, ignore_index, label_smoothing, reduction)
         return loss.reshape(target.shape) if reduction == "none" else loss
     x2, t2 = x2.contiguous(), t2.contiguous()
